@@ -1,0 +1,113 @@
+//! virtio-mmio transport and the blk, net and vsock devices, emulated in
+//! userspace (there is no vhost on our hosts).
+//!
+//! How the VMM wires one device (see `builder.rs` for the real code):
+//! 1. build the device (`Block::new`, `Net::new`, `Vsock::new`) as
+//!    `Arc<Mutex<D>>`;
+//! 2. wrap it in an [`mmio::MmioTransport`] with guest memory and an
+//!    [`Interrupt`]; put the transport on the MMIO bus at its slot;
+//! 3. register each of the transport's queue `EventFd`s as a KVM ioeventfd at
+//!    `base + QUEUE_NOTIFY` with the queue index as datamatch, and the
+//!    interrupt's `EventFd` as a KVM irqfd on the slot's GSI;
+//! 4. add the device to the device thread's `EventManager` as a subscriber.
+//!
+//! On DRIVER_OK the transport calls [`VirtioDevice::activate`]; the device
+//! then registers its queue events with the event manager (through an
+//! activate `EventFd` it subscribed at init) and starts serving queues.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::memory::GuestMemoryMmap;
+
+/// Interrupt status bit: a used buffer was added to a queue.
+pub const VIRTIO_MMIO_INT_VRING: u32 = 0x01;
+/// Interrupt status bit: the device configuration changed.
+pub const VIRTIO_MMIO_INT_CONFIG: u32 = 0x02;
+
+/// The interrupt line of one virtio-mmio device: a status register the
+/// guest reads and acknowledges, and an irqfd that KVM turns into an edge on
+/// the device's GSI.
+#[derive(Debug)]
+pub struct Interrupt {
+    status: AtomicU32,
+    irq_evt: EventFd,
+}
+
+impl Interrupt {
+    /// An interrupt line signalled through `irq_evt`.
+    pub fn new(irq_evt: EventFd) -> Self {
+        Self {
+            status: AtomicU32::new(0),
+            irq_evt,
+        }
+    }
+
+    /// Sets `bits` in the status register and raises the line.
+    pub fn trigger(&self, bits: u32) -> std::io::Result<()> {
+        self.status.fetch_or(bits, Ordering::SeqCst);
+        self.irq_evt.write(1)
+    }
+
+    /// Current interrupt status (InterruptStatus register).
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// Clears acknowledged bits (InterruptACK register).
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// The eventfd to register as a KVM irqfd.
+    pub fn irq_evt(&self) -> &EventFd {
+        &self.irq_evt
+    }
+}
+
+/// Errors while activating a device.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    /// The driver configured a different number of queues than the device has.
+    #[error("Driver set up {got} queues, device needs {want}")]
+    QueueCount { got: usize, want: usize },
+    /// Signalling the device thread failed.
+    #[error("Cannot signal the device thread")]
+    Signal(#[source] std::io::Error),
+    /// The device rejected its configuration.
+    #[error("Device rejected activation: {0}")]
+    Device(String),
+}
+
+/// What every virtio device offers its transport.
+pub trait VirtioDevice: Send {
+    /// virtio device type (1 = net, 2 = block, 19 = vsock).
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits the device offers (VIRTIO_F_VERSION_1 included).
+    fn avail_features(&self) -> u64;
+    /// Records the features the driver accepted (a subset of `avail_features`).
+    fn set_acked_features(&mut self, features: u64);
+    /// Reads the device configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the device configuration space (most devices ignore it).
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// Starts the device with the queues the driver configured.
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: std::sync::Arc<Interrupt>,
+        queues: Vec<Queue>,
+        queue_evts: Vec<EventFd>,
+    ) -> Result<(), ActivateError>;
+    /// Whether the device is running.
+    fn is_activated(&self) -> bool;
+    /// Handles a driver reset; returns false if the device cannot be reset
+    /// (the transport then marks it as needing a reset).
+    fn reset(&mut self) -> bool {
+        false
+    }
+}

@@ -1,0 +1,1 @@
+//! Micro guest paths.
