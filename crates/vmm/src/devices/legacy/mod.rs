@@ -1,1 +1,7 @@
 //! Legacy PC devices: 8250 serial, i8042 reset, ACPI power management.
+
+pub mod i8042;
+pub mod serial;
+
+pub use i8042::I8042;
+pub use serial::{ConsoleOutput, SerialDevice};

@@ -1,0 +1,127 @@
+//! `tine vmm`: one vm in the foreground.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use vmm::config::{DiskConfig, NetConfig, VsockConfig};
+use vmm::VmConfig;
+
+/// Default command line for Linux guests: console on COM1, reset through
+/// the i8042, reboot on panic, and no probing of absent PC hardware.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.nopnp";
+
+#[derive(Args, Debug)]
+pub struct VmmArgs {
+    /// Kernel: uncompressed ELF vmlinux, bzImage, or a micro guest ELF.
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Initramfs to load.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long, default_value = DEFAULT_CMDLINE)]
+    cmdline: String,
+    /// Guest memory (e.g. 256M, 1G).
+    #[arg(long, default_value = "256M", value_parser = crate::size::parse_mib)]
+    mem: u64,
+    /// Number of vCPUs (1–4).
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Append the guest console (COM1) to this file.
+    #[arg(long)]
+    console_log: Option<PathBuf>,
+    /// Attach the console to this process's stdin/stdout.
+    #[arg(long)]
+    console: bool,
+    /// Raw disk image as virtio-blk; append `,ro` for read-only. Repeatable.
+    #[arg(long = "disk")]
+    disks: Vec<String>,
+    /// Tap device as virtio-net, `TAP[,mac=52:54:00:12:34:56]`. Repeatable.
+    #[arg(long = "net")]
+    nets: Vec<String>,
+    /// virtio-vsock with a host Unix socket, `PATH[,cid=3]`.
+    #[arg(long)]
+    vsock: Option<String>,
+    /// KVM device to open.
+    #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
+    kvm_device: PathBuf,
+}
+
+pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
+    let config = VmConfig {
+        kernel: args.kernel,
+        initrd: args.initrd,
+        cmdline: args.cmdline,
+        mem_mib: args.mem,
+        vcpus: args.vcpus,
+        console_log: args.console_log,
+        console_stdout: args.console,
+        console_stdin: args.console,
+        disks: args.disks.iter().map(|d| parse_disk(d)).collect(),
+        nets: args.nets.iter().map(|n| parse_net(n)).collect::<anyhow::Result<_>>()?,
+        vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
+        kvm_device: args.kvm_device,
+    };
+    let vmm = vmm::build(&config)?;
+    let exit = vmm.run().context("vm failed")?;
+    eprintln!("tine: guest {exit}");
+    Ok(ExitCode::from(exit.exit_code() as u8))
+}
+
+fn parse_disk(s: &str) -> DiskConfig {
+    match s.strip_suffix(",ro") {
+        Some(path) => DiskConfig {
+            path: path.into(),
+            read_only: true,
+        },
+        None => DiskConfig {
+            path: s.into(),
+            read_only: false,
+        },
+    }
+}
+
+fn parse_net(s: &str) -> anyhow::Result<NetConfig> {
+    let mut parts = s.split(',');
+    let tap = parts.next().unwrap_or_default().to_string();
+    anyhow::ensure!(!tap.is_empty(), "--net needs a tap name, e.g. --net tap0");
+    let mut mac = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+    for p in parts {
+        let v = p
+            .strip_prefix("mac=")
+            .with_context(|| format!("unknown --net option {p:?}; use mac=52:54:00:12:34:56"))?;
+        mac = parse_mac(v)?;
+    }
+    Ok(NetConfig { tap, mac })
+}
+
+fn parse_mac(s: &str) -> anyhow::Result<[u8; 6]> {
+    let bytes: Vec<u8> = s
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("bad MAC address {s:?}"))?;
+    bytes
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("bad MAC address {s:?}: need six bytes"))
+}
+
+fn parse_vsock(s: &str) -> anyhow::Result<VsockConfig> {
+    let mut parts = s.split(',');
+    let path = parts.next().unwrap_or_default();
+    anyhow::ensure!(!path.is_empty(), "--vsock needs a socket path");
+    let mut guest_cid = 3;
+    for p in parts {
+        let v = p
+            .strip_prefix("cid=")
+            .with_context(|| format!("unknown --vsock option {p:?}; use cid=N"))?;
+        guest_cid = v.parse().with_context(|| format!("bad vsock cid {v:?}"))?;
+    }
+    anyhow::ensure!(guest_cid > 2, "vsock cid {guest_cid} is reserved; use 3 or more");
+    Ok(VsockConfig {
+        guest_cid,
+        uds_path: path.into(),
+    })
+}

@@ -1,0 +1,7 @@
+//! x86_64: memory layout, boot protocol, vCPU boot registers, CPUID, MSRs, ACPI.
+
+pub mod boot;
+pub mod cpuid;
+pub mod layout;
+pub mod msr;
+pub mod regs;
