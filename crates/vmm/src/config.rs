@@ -97,13 +97,18 @@ pub enum ConfigError {
 impl VmConfig {
     /// Checks everything that can be checked without KVM.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_for_host(host_mem_mib())
+    }
+
+    /// [`VmConfig::validate`] against a host with `host_mib` of RAM.
+    pub fn validate_for_host(&self, host_mib: Option<u64>) -> Result<(), ConfigError> {
         if self.mem_mib < MIN_MEM_MIB {
             return Err(ConfigError::MemTooSmall(self.mem_mib));
         }
         if self.mem_mib > MAX_MEM_MIB {
             return Err(ConfigError::MemTooLarge(self.mem_mib));
         }
-        if let Some(host) = host_mem_mib() {
+        if let Some(host) = host_mib {
             if self.mem_mib > host {
                 return Err(ConfigError::MemAboveHost {
                     want: self.mem_mib,
@@ -159,6 +164,10 @@ mod tests {
         assert_eq!(VmConfig { mem_mib: 32, ..cfg() }.validate(), Err(ConfigError::MemTooSmall(32)));
         assert_eq!(VmConfig { mem_mib: 32768, ..cfg() }.validate(), Err(ConfigError::MemTooLarge(32768)));
         assert!(cfg().validate().is_ok());
+        assert_eq!(
+            VmConfig { mem_mib: 8192, ..cfg() }.validate_for_host(Some(4096)),
+            Err(ConfigError::MemAboveHost { want: 8192, host: 4096 })
+        );
     }
 
     #[test]
