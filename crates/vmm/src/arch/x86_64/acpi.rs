@@ -111,11 +111,13 @@ pub fn create_acpi_tables(
     let xsdt_addr = align(RSDP_ADDR + Rsdp::len() as u64);
     let xsdt_len = 36 + 2 * 8;
     let fadt_addr = align(xsdt_addr + xsdt_len);
-    let madt_addr = align(fadt_addr + FADTBuilder::len() as u64);
+    let madt_addr = align(fadt_addr + acpi_tables::fadt::FADT::len() as u64);
     let dsdt_addr = align(madt_addr + madt.len() as u64);
     let end = dsdt_addr + dsdt.len() as u64;
     if end > ACPI_AREA_END {
-        return Err(AcpiError::TooLarge { size: end - RSDP_ADDR });
+        return Err(AcpiError::TooLarge {
+            size: end - RSDP_ADDR,
+        });
     }
 
     let fadt = to_bytes(&fadt(dsdt_addr));
@@ -144,7 +146,10 @@ fn validate_slots(virtio: &[VirtioMmioSlot]) -> Result<(), AcpiError> {
                 .checked_add(slot.len)
                 .is_some_and(|end| end <= 1 << 32);
         if !fits {
-            return Err(AcpiError::MmioWindow { base: slot.base, len: slot.len });
+            return Err(AcpiError::MmioWindow {
+                base: slot.base,
+                len: slot.len,
+            });
         }
         let duplicate = virtio[..i].iter().any(|s| s.gsi == slot.gsi);
         if slot.gsi >= IOAPIC_PINS || RESERVED_GSIS.contains(&slot.gsi) || duplicate {
@@ -164,7 +169,12 @@ fn to_bytes(aml: &dyn Aml) -> Vec<u8> {
     v
 }
 
-fn write(mem: &GuestMemoryMmap, table: &'static str, addr: u64, bytes: &[u8]) -> Result<(), AcpiError> {
+fn write(
+    mem: &GuestMemoryMmap,
+    table: &'static str,
+    addr: u64,
+    bytes: &[u8],
+) -> Result<(), AcpiError> {
     mem.write_slice(bytes, GuestAddress(addr))
         .map_err(|source| AcpiError::Write { table, source })
 }
@@ -248,7 +258,10 @@ fn dsdt(virtio: &[VirtioMmioSlot]) -> Vec<u8> {
         vec![
             &Name::new("_HID".into(), &EISAName::new("PNP0501")),
             &Name::new("_UID".into(), &aml::ZERO),
-            &Name::new("_CRS".into(), &ResourceTemplate::new(vec![&com1_io, &com1_irq])),
+            &Name::new(
+                "_CRS".into(),
+                &ResourceTemplate::new(vec![&com1_io, &com1_irq]),
+            ),
         ],
     )
     .to_aml_bytes(&mut sb);
@@ -290,9 +303,21 @@ mod tests {
     use std::process::Command;
 
     const SLOTS: [VirtioMmioSlot; 3] = [
-        VirtioMmioSlot { base: 0xd000_0000, len: 0x1000, gsi: 5 },
-        VirtioMmioSlot { base: 0xd000_1000, len: 0x1000, gsi: 6 },
-        VirtioMmioSlot { base: 0xd000_2000, len: 0x1000, gsi: 7 },
+        VirtioMmioSlot {
+            base: 0xd000_0000,
+            len: 0x1000,
+            gsi: 5,
+        },
+        VirtioMmioSlot {
+            base: 0xd000_1000,
+            len: 0x1000,
+            gsi: 6,
+        },
+        VirtioMmioSlot {
+            base: 0xd000_2000,
+            len: 0x1000,
+            gsi: 7,
+        },
     ];
 
     fn guest_mem() -> GuestMemoryMmap {
@@ -321,7 +346,12 @@ mod tests {
     fn table(mem: &GuestMemoryMmap, addr: u64) -> Vec<u8> {
         let len = u32_at(&read(mem, addr, 8), 4) as usize;
         let t = read(mem, addr, len);
-        assert_eq!(sum(&t), 0, "checksum of {}", String::from_utf8_lossy(&t[..4]));
+        assert_eq!(
+            sum(&t),
+            0,
+            "checksum of {}",
+            String::from_utf8_lossy(&t[..4])
+        );
         t
     }
 
@@ -363,8 +393,14 @@ mod tests {
         assert_eq!(u64_at(fadt, 120), u64::from(ACPI_PM_PORT + RESET_OFFSET));
         assert_eq!(fadt[128], RESET_VALUE);
         // Sleep control and status registers at 244 and 256.
-        assert_eq!(u64_at(fadt, 248), u64::from(ACPI_PM_PORT + SLEEP_CONTROL_OFFSET));
-        assert_eq!(u64_at(fadt, 260), u64::from(ACPI_PM_PORT + SLEEP_STATUS_OFFSET));
+        assert_eq!(
+            u64_at(fadt, 248),
+            u64::from(ACPI_PM_PORT + SLEEP_CONTROL_OFFSET)
+        );
+        assert_eq!(
+            u64_at(fadt, 260),
+            u64::from(ACPI_PM_PORT + SLEEP_STATUS_OFFSET)
+        );
 
         let madt = find(&t, "APIC");
         assert_eq!(u32_at(madt, 36), LAPIC_ADDR);
@@ -386,18 +422,41 @@ mod tests {
     #[test]
     fn test_acpi_tables_bad_input_rejected() {
         let mem = guest_mem();
-        assert!(matches!(create_acpi_tables(&mem, 0, &[]), Err(AcpiError::VcpuCount(0))));
-        let high = VirtioMmioSlot { base: 0xffff_f000, len: 0x2000, gsi: 5 };
+        assert!(matches!(
+            create_acpi_tables(&mem, 0, &[]),
+            Err(AcpiError::VcpuCount(0))
+        ));
+        let high = VirtioMmioSlot {
+            base: 0xffff_f000,
+            len: 0x2000,
+            gsi: 5,
+        };
         assert!(matches!(
             create_acpi_tables(&mem, 1, &[high]),
             Err(AcpiError::MmioWindow { .. })
         ));
         for gsi in [COM1_IRQ, PIT_IOAPIC_PIN, IOAPIC_PINS] {
-            let slot = VirtioMmioSlot { base: 0xd000_0000, len: 0x1000, gsi };
-            assert!(matches!(create_acpi_tables(&mem, 1, &[slot]), Err(AcpiError::Gsi { .. })));
+            let slot = VirtioMmioSlot {
+                base: 0xd000_0000,
+                len: 0x1000,
+                gsi,
+            };
+            assert!(matches!(
+                create_acpi_tables(&mem, 1, &[slot]),
+                Err(AcpiError::Gsi { .. })
+            ));
         }
-        let dup = [SLOTS[0], VirtioMmioSlot { gsi: SLOTS[0].gsi, ..SLOTS[1] }];
-        assert!(matches!(create_acpi_tables(&mem, 1, &dup), Err(AcpiError::Gsi { .. })));
+        let dup = [
+            SLOTS[0],
+            VirtioMmioSlot {
+                gsi: SLOTS[0].gsi,
+                ..SLOTS[1]
+            },
+        ];
+        assert!(matches!(
+            create_acpi_tables(&mem, 1, &dup),
+            Err(AcpiError::Gsi { .. })
+        ));
         let small = create_guest_memory(&[(GuestAddress(0), 0x80000)]).expect("guest memory");
         assert!(matches!(
             create_acpi_tables(&small, 1, &[]),
@@ -413,7 +472,11 @@ mod tests {
     fn disassemble(dir: &Path, name: &str, bytes: &[u8]) -> String {
         let dat = dir.join(format!("{name}.dat"));
         std::fs::write(&dat, bytes).expect("write table");
-        let out = Command::new("iasl").arg("-d").arg(&dat).output().expect("run iasl");
+        let out = Command::new("iasl")
+            .arg("-d")
+            .arg(&dat)
+            .output()
+            .expect("run iasl");
         assert!(
             out.status.success(),
             "iasl -d {name} failed: {}{}",
@@ -426,7 +489,9 @@ mod tests {
     #[test]
     fn test_acpi_tables_iasl_disassembles() {
         if !iasl_available() {
-            eprintln!("NOTE: iasl not found (apt package acpica-tools); skipping disassembly check");
+            eprintln!(
+                "NOTE: iasl not found (apt package acpica-tools); skipping disassembly check"
+            );
             return;
         }
         let mem = guest_mem();
@@ -443,7 +508,7 @@ mod tests {
         assert!(dsl.contains("_S5_"), "{dsl}");
         assert!(dsl.contains("PNP0501") && dsl.contains("PNP0303"), "{dsl}");
         let facp = disassemble(&dir, "facp", find(&t, "FACP"));
-        assert!(facp.contains("Hardware Reduced (ACPI 5) : 1"), "{facp}");
+        assert!(facp.contains("Hardware Reduced (V5) : 1"), "{facp}");
         let apic = disassemble(&dir, "apic", find(&t, "APIC"));
         assert_eq!(apic.matches("Processor Local APIC").count(), 4, "{apic}");
         assert!(apic.contains("Interrupt Source Override"), "{apic}");

@@ -50,7 +50,10 @@ impl AcpiPmDevice {
             self.exit.notify(GuestExit::Poweroff);
         } else {
             // Only S5 is published in the DSDT; other states are not supported.
-            tracing::warn!(sleep_type, "guest asked for an unsupported ACPI sleep state");
+            tracing::warn!(
+                sleep_type,
+                "guest asked for an unsupported ACPI sleep state"
+            );
         }
     }
 }
@@ -87,7 +90,10 @@ mod tests {
     #[test]
     fn test_acpi_pm_s5_write_powers_off() {
         let (mut dev, exit) = device();
-        dev.write(u64::from(SLEEP_CONTROL_OFFSET), &[(S5_SLEEP_TYPE << 2) | SLP_EN]);
+        dev.write(
+            u64::from(SLEEP_CONTROL_OFFSET),
+            &[(S5_SLEEP_TYPE << 2) | SLP_EN],
+        );
         assert_eq!(exit.get(), Some(GuestExit::Poweroff));
     }
 
@@ -120,7 +126,10 @@ mod tests {
     fn test_acpi_pm_first_exit_wins() {
         let (mut dev, exit) = device();
         dev.write(u64::from(RESET_OFFSET), &[RESET_VALUE]);
-        dev.write(u64::from(SLEEP_CONTROL_OFFSET), &[(S5_SLEEP_TYPE << 2) | SLP_EN]);
+        dev.write(
+            u64::from(SLEEP_CONTROL_OFFSET),
+            &[(S5_SLEEP_TYPE << 2) | SLP_EN],
+        );
         assert_eq!(exit.get(), Some(GuestExit::Reset));
     }
 }
