@@ -1,0 +1,17 @@
+//! virtio-blk over a raw image file.
+//!
+//! Requests are served synchronously on the device thread with
+//! `pread`/`pwrite`; FLUSH is an `fsync`. Layout as for every device:
+//! `device.rs` (what the device is), `request.rs` (one request),
+//! `event_handler.rs` (how it reacts to events).
+
+mod device;
+mod event_handler;
+mod request;
+
+pub use device::{Block, BlockConfig, BlockError};
+
+/// Sector size of the virtio-blk protocol.
+pub const SECTOR_SIZE: u64 = 512;
+/// Size of the request queue offered to the driver.
+pub const QUEUE_SIZE: u16 = 256;

@@ -1,0 +1,106 @@
+//! How the network device reacts to events on the device thread.
+//!
+//! The tap is polled only while the guest can take frames: when a frame
+//! is read and no rx buffer is available, the tap leaves the event manager
+//! and the frame waits; the guest's next rx notification delivers it and
+//! puts the tap back. No busy loop, and the kernel's tap queue (like a
+//! NIC's ring) holds what arrives meanwhile.
+
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+
+use super::device::Rx;
+use super::Net;
+
+const ACTIVATE: u32 = 0;
+const RX_QUEUE: u32 = 1;
+const TX_QUEUE: u32 = 2;
+const TAP: u32 = 3;
+
+impl Net {
+    fn tap_events(&self) -> Events {
+        Events::with_data(&self.tap, TAP, EventSet::IN)
+    }
+
+    fn set_tap_polled(&mut self, ops: &mut EventOps, polled: bool) {
+        if polled == self.tap_registered {
+            return;
+        }
+        let res = if polled {
+            ops.add(self.tap_events())
+        } else {
+            ops.remove(self.tap_events())
+        };
+        match res {
+            Ok(()) => self.tap_registered = polled,
+            Err(e) => tracing::error!("virtio-net: cannot (un)register tap: {e}"),
+        }
+    }
+
+    fn rx(&mut self, ops: &mut EventOps) {
+        let polled = self.process_rx() == Rx::TapDrained;
+        self.set_tap_polled(ops, polled);
+    }
+}
+
+impl MutEventSubscriber for Net {
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::with_data(
+            &self.activate_evt,
+            ACTIVATE,
+            EventSet::IN,
+        )) {
+            tracing::error!("virtio-net: cannot register activation event: {e}");
+        }
+    }
+
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        match events.data() {
+            ACTIVATE => {
+                let _ = self.activate_evt.read();
+                if let Err(e) = ops.remove(Events::with_data(
+                    &self.activate_evt,
+                    ACTIVATE,
+                    EventSet::IN,
+                )) {
+                    tracing::error!("virtio-net: cannot unregister activation event: {e}");
+                }
+                for (index, data) in [(0, RX_QUEUE), (1, TX_QUEUE)] {
+                    if let Some(evt) = self.queue_evt(index) {
+                        if let Err(e) = ops.add(Events::with_data(evt, data, EventSet::IN)) {
+                            tracing::error!("virtio-net: cannot register queue event: {e}");
+                        }
+                    }
+                }
+                self.set_tap_polled(ops, true);
+                self.process_tx();
+                self.rx(ops);
+            }
+            RX_QUEUE => {
+                if let Some(evt) = self.queue_evt(0) {
+                    let _ = evt.read();
+                }
+                if self.rx_pending() || !self.tap_registered {
+                    self.rx(ops);
+                }
+            }
+            TX_QUEUE => {
+                if let Some(evt) = self.queue_evt(1) {
+                    let _ = evt.read();
+                }
+                self.process_tx();
+            }
+            TAP => {
+                if events
+                    .event_set()
+                    .intersects(EventSet::ERROR | EventSet::HANG_UP)
+                {
+                    tracing::error!("virtio-net: tap {} failed; no more rx", self.tap.name());
+                    self.set_tap_polled(ops, false);
+                    return;
+                }
+                self.rx(ops);
+            }
+            other => tracing::warn!("virtio-net: unexpected event {other}"),
+        }
+    }
+}
