@@ -13,6 +13,7 @@ pub mod initramfs;
 pub mod modules;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -261,10 +262,15 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
     }
 
     tracing::info!("building image {IMAGE_NAME} {hash}");
-    let scratch = images.join(format!(".build-{hash}-{}", std::process::id()));
+    static BUILDS: AtomicU64 = AtomicU64::new(0);
+    let scratch = images.join(format!(
+        ".build-{hash}-{}-{}",
+        std::process::id(),
+        BUILDS.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::remove_dir_all(&scratch).ok();
     let result = assemble(&scratch, &kernel, &busybox, &init, module_list, &hash)
-        .and_then(|()| publish(&scratch.join("out"), &dir));
+        .and_then(|()| publish(&scratch.join("out"), &dir, opts.force));
     std::fs::remove_dir_all(&scratch).ok();
     result?;
     let image = Image::load(&dir)?;
@@ -273,10 +279,16 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
 }
 
 /// Moves a finished image directory into place (atomically, by rename).
-fn publish(out: &Path, dir: &Path) -> Result<(), ImageError> {
+/// An image already there is kept unless `replace` (a forced rebuild).
+fn publish(out: &Path, dir: &Path, replace: bool) -> Result<(), ImageError> {
     if dir.exists() {
-        // A forced rebuild, or a concurrent build won: replace it.
-        std::fs::remove_dir_all(dir).map_err(|e| ImageError::io(dir, e))?;
+        if !replace && Image::load(dir).is_ok() {
+            // A concurrent build with the same inputs finished first.
+            return Ok(());
+        }
+        let old = dir.with_extension(format!("old-{}", std::process::id()));
+        std::fs::rename(dir, &old).map_err(|e| ImageError::io(dir, e))?;
+        std::fs::remove_dir_all(&old).ok();
     }
     std::fs::rename(out, dir).map_err(|e| ImageError::io(dir, e))
 }

@@ -181,6 +181,12 @@ fn test_build_minimal_image_cached_and_complete() {
     assert_eq!(own.kernel_kind, KernelKind::BzImage);
     assert_eq!(own.kernel_version, image.kernel_version);
 
+    // --force rebuilds the same inputs into the same place.
+    custom.force = true;
+    let rebuilt = image::build(&custom).expect("forced build");
+    assert_eq!(rebuilt, own);
+    assert!(rebuilt.kernel.is_file());
+
     std::fs::remove_dir_all(&home).ok();
 }
 
