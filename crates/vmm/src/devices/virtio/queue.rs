@@ -204,18 +204,23 @@ pub(crate) mod testing {
     impl TestQueue {
         /// Places a queue of `size` entries at `base` (4 KiB-aligned areas).
         pub fn new(mem: &GuestMemoryMmap, base: u64, size: u16) -> Self {
-            let q = Self {
+            let q = Self::new_at(base, size);
+            let zeros = vec![0u8; 0x3000 + usize::from(size) * 16];
+            mem.write_slice(&zeros, GuestAddress(base))
+                .expect("rings in memory");
+            q
+        }
+
+        /// The driver's view of a queue already placed (and zeroed) at `base`.
+        pub fn new_at(base: u64, size: u16) -> Self {
+            Self {
                 size,
                 desc: base,
                 avail: base + 0x1000 * (1 + u64::from(size) * 16 / 0x1000),
                 used: base + 0x1000 * (2 + u64::from(size) * 16 / 0x1000),
                 next_desc: 0,
                 avail_idx: 0,
-            };
-            let zeros = vec![0u8; 0x3000 + usize::from(size) * 16];
-            mem.write_slice(&zeros, GuestAddress(base))
-                .expect("rings in memory");
-            q
+            }
         }
 
         /// Publishes a chain of `(addr, len, flags)` buffers (F_NEXT is
