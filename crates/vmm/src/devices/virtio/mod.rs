@@ -15,6 +15,11 @@
 //! then registers its queue events with the event manager (through an
 //! activate `EventFd` it subscribed at init) and starts serving queues.
 
+pub mod block;
+pub mod mmio;
+pub mod net;
+pub mod queue;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use virtio_queue::Queue;
