@@ -87,6 +87,8 @@ pub struct Net {
     /// Whether the tap fd is in the event manager (it is taken out while the
     /// guest has no rx buffers, so the device thread does not spin).
     pub(super) tap_registered: bool,
+    /// The tap reported an error or hang-up: it is never polled again.
+    pub(super) tap_failed: bool,
     counters: NetCounters,
     warnings: GuestWarnings,
 }
@@ -125,6 +127,7 @@ impl Net {
             rx_pending: 0,
             tx_frame: Vec::with_capacity(MAX_BUFFER_LEN),
             tap_registered: false,
+            tap_failed: false,
             counters: NetCounters::default(),
             warnings: GuestWarnings::default(),
         })

@@ -22,7 +22,7 @@ impl Net {
     }
 
     fn set_tap_polled(&mut self, ops: &mut EventOps, polled: bool) {
-        if polled == self.tap_registered {
+        if polled == self.tap_registered || (polled && self.tap_failed) {
             return;
         }
         let res = if polled {
@@ -96,6 +96,7 @@ impl MutEventSubscriber for Net {
                 {
                     tracing::error!("virtio-net: tap {} failed; no more rx", self.tap.name());
                     self.set_tap_polled(ops, false);
+                    self.tap_failed = true;
                     return;
                 }
                 self.rx(ops);
