@@ -19,6 +19,7 @@ pub mod block;
 pub mod mmio;
 pub mod net;
 pub mod queue;
+pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -1,0 +1,322 @@
+//! The virtio-vsock device: configuration space, features, activation and
+//! the rx/tx queue loops. Connections live in the [`VsockMuxer`].
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use event_manager::EventOps;
+use tracing::warn;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
+use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::packet::{read_tx_packet, PacketError, RxBuffer};
+use super::unix::VsockMuxer;
+use super::{VsockConfig, VsockError};
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VIRTIO_MMIO_INT_VRING};
+use crate::memory::GuestMemoryMmap;
+
+/// Number of queues: rx, tx, event.
+pub const NUM_QUEUES: usize = 3;
+/// Size of each queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Index of the rx queue (device → guest).
+pub const RXQ: usize = 0;
+/// Index of the tx queue (guest → device).
+pub const TXQ: usize = 1;
+/// Index of the event queue.
+pub const EVQ: usize = 2;
+
+const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
+/// Upper bound of tx/rx rounds per event, a guard against livelock.
+const MAX_ROUNDS: usize = 64;
+
+/// What the device holds once the driver activated it.
+pub(super) struct ActiveState {
+    pub(super) mem: GuestMemoryMmap,
+    pub(super) interrupt: Arc<Interrupt>,
+    pub(super) queues: Vec<Queue>,
+    pub(super) queue_evts: Vec<EventFd>,
+}
+
+/// A virtio-vsock device (type 19) bridging guest streams to Unix sockets.
+pub struct Vsock {
+    cid: u64,
+    acked_features: u64,
+    pub(super) activate_evt: EventFd,
+    pub(super) muxer: VsockMuxer,
+    pub(super) active: Option<ActiveState>,
+    pub(super) queue_evts_registered: bool,
+    tx_stalled: bool,
+    uds_path: PathBuf,
+    /// (device, inode) of the socket file we bound, to remove it on drop
+    /// only if it is still ours.
+    uds_id: (u64, u64),
+}
+
+impl Vsock {
+    /// Creates the device and starts listening on `config.uds_path`.
+    ///
+    /// If the path exists and something accepts connections on it, another
+    /// vm uses it and this fails; a stale socket file (connection refused)
+    /// is removed and replaced.
+    pub fn new(config: VsockConfig) -> Result<Self, VsockError> {
+        let VsockConfig {
+            guest_cid,
+            uds_path,
+        } = config;
+        if !(3..u64::from(u32::MAX)).contains(&guest_cid) {
+            return Err(VsockError::InvalidCid(guest_cid));
+        }
+        let listener = bind_listener(&uds_path)?;
+        let uds_id = std::fs::metadata(&uds_path)
+            .map(|m| (m.dev(), m.ino()))
+            .unwrap_or((0, 0));
+        let activate_evt = EventFd::new(EFD_NONBLOCK).map_err(VsockError::EventFd)?;
+        Ok(Self {
+            cid: guest_cid,
+            acked_features: 0,
+            activate_evt,
+            muxer: VsockMuxer::new(guest_cid, uds_path.clone(), listener),
+            active: None,
+            queue_evts_registered: false,
+            tx_stalled: false,
+            uds_path,
+            uds_id,
+        })
+    }
+
+    /// The guest's CID.
+    pub fn guest_cid(&self) -> u64 {
+        self.cid
+    }
+
+    /// The host socket path.
+    pub fn uds_path(&self) -> &Path {
+        &self.uds_path
+    }
+
+    /// Live connections (for tests and diagnostics).
+    pub fn connection_count(&self) -> usize {
+        self.muxer.connection_count()
+    }
+
+    /// Features the driver accepted.
+    pub fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    /// Moves packets between the queues and the muxer until nothing more
+    /// can move, then interrupts the guest if any buffer was used.
+    pub(super) fn run_queues(&mut self, ops: &mut EventOps, tx_first: bool) {
+        if self.active.is_none() {
+            return;
+        }
+        let mut used = false;
+        if tx_first {
+            used |= self.process_tx(ops);
+        }
+        for _ in 0..MAX_ROUNDS {
+            used |= self.process_rx(ops);
+            if self.tx_stalled && !self.muxer.rx_backlog_full() {
+                used |= self.process_tx(ops);
+            } else {
+                break;
+            }
+        }
+        if used {
+            if let Some(active) = &self.active {
+                if let Err(e) = active.interrupt.trigger(VIRTIO_MMIO_INT_VRING) {
+                    warn!("vsock: cannot interrupt the guest: {e}");
+                }
+            }
+        }
+    }
+
+    /// Fills guest rx buffers with pending packets. Returns whether any
+    /// buffer was used.
+    fn process_rx(&mut self, ops: &mut EventOps) -> bool {
+        let Some(ActiveState { mem, queues, .. }) = self.active.as_mut() else {
+            return false;
+        };
+        let queue = &mut queues[RXQ];
+        let mut used = false;
+        while self.muxer.has_rx() {
+            let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            let len = match RxBuffer::new(mem, chain) {
+                Ok(buf) => match self.muxer.next_rx_packet(buf.data_capacity(), ops) {
+                    Some((hdr, data)) => buf.write(&hdr, &data).unwrap_or_else(|e| {
+                        warn!("vsock: cannot write rx packet: {e}");
+                        0
+                    }),
+                    None => {
+                        // Nothing fits this buffer after all: give it back.
+                        queue.set_next_avail(queue.next_avail().wrapping_sub(1));
+                        break;
+                    }
+                },
+                Err(e) => {
+                    warn!("vsock: dropping rx buffer: {e}");
+                    0
+                }
+            };
+            if let Err(e) = queue.add_used(&*mem, head, len) {
+                warn!("vsock: cannot return rx buffer: {e}");
+            }
+            used = true;
+        }
+        used
+    }
+
+    /// Consumes guest tx packets. Returns whether any buffer was used.
+    fn process_tx(&mut self, ops: &mut EventOps) -> bool {
+        let Some(ActiveState { mem, queues, .. }) = self.active.as_mut() else {
+            return false;
+        };
+        let queue = &mut queues[TXQ];
+        let mut used = false;
+        self.tx_stalled = false;
+        loop {
+            if self.muxer.rx_backlog_full() {
+                self.tx_stalled = true;
+                break;
+            }
+            let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            match read_tx_packet(mem, chain) {
+                Ok(pkt) => self.muxer.handle_tx(pkt, ops),
+                Err(PacketError::BadLength { hdr, len, avail }) => {
+                    warn!("vsock: tx packet length {len} but {avail} bytes in chain, resetting");
+                    self.muxer.reject(&hdr, ops);
+                }
+                Err(e) => warn!("vsock: dropping tx chain: {e}"),
+            }
+            if let Err(e) = queue.add_used(&*mem, head, 0) {
+                warn!("vsock: cannot return tx buffer: {e}");
+            }
+            used = true;
+        }
+        used
+    }
+}
+
+impl Drop for Vsock {
+    fn drop(&mut self) {
+        // Remove our socket file, unless someone replaced it meanwhile.
+        if let Ok(m) = std::fs::metadata(&self.uds_path) {
+            if (m.dev(), m.ino()) == self.uds_id {
+                let _ = std::fs::remove_file(&self.uds_path);
+            }
+        }
+    }
+}
+
+/// Binds the host listener, replacing a stale socket file and refusing a
+/// path another vm serves.
+fn bind_listener(path: &Path) -> Result<UnixListener, VsockError> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(VsockError::NotASocket(path.to_path_buf()));
+        }
+        match UnixStream::connect(path) {
+            Ok(_) => return Err(VsockError::PathInUse(path.to_path_buf())),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(path).map_err(|source| VsockError::RemoveStale {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            }
+            Err(source) => {
+                return Err(VsockError::Probe {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
+        }
+    }
+    let listener = UnixListener::bind(path).map_err(|source| VsockError::Bind {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| VsockError::Bind {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(listener)
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn avail_features(&self) -> u64 {
+        1u64 << VIRTIO_F_VERSION_1
+    }
+
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features & self.avail_features();
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // Config space: guest_cid (le64). Reads beyond it return zeroes.
+        let config = self.cid.to_le_bytes();
+        for (i, byte) in data.iter_mut().enumerate() {
+            *byte = offset
+                .checked_add(i as u64)
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| config.get(at).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        warn!(
+            "vsock: guest wrote {} bytes of read-only config at {offset:#x}",
+            data.len()
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<Interrupt>,
+        queues: Vec<Queue>,
+        queue_evts: Vec<EventFd>,
+    ) -> Result<(), ActivateError> {
+        if queues.len() != NUM_QUEUES || queue_evts.len() != NUM_QUEUES {
+            return Err(ActivateError::QueueCount {
+                got: queues.len().min(queue_evts.len()),
+                want: NUM_QUEUES,
+            });
+        }
+        if self.active.is_some() {
+            return Err(ActivateError::Device("vsock is already active".into()));
+        }
+        self.active = Some(ActiveState {
+            mem,
+            interrupt,
+            queues,
+            queue_evts,
+        });
+        self.activate_evt.write(1).map_err(ActivateError::Signal)
+    }
+
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+}
