@@ -17,7 +17,8 @@ impl VsockListener {
     /// Listens on `port` for connections from the host.
     pub fn bind(port: u32) -> io::Result<Self> {
         // SAFETY: plain socket(2) call; the result is checked before use.
-        let raw = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        let raw =
+            unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -54,7 +55,12 @@ impl VsockListener {
         loop {
             // SAFETY: accept4 on our listening socket; peer address not wanted.
             let raw = unsafe {
-                libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+                libc::accept4(
+                    self.fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC,
+                )
             };
             if raw >= 0 {
                 // SAFETY: `raw` is a fresh connected socket fd that we now own.

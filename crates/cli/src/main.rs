@@ -1,5 +1,6 @@
 //! `tine`: the command line. Each verb is a thin layer over the library crates.
 
+mod image_cmd;
 mod size;
 mod vmm_cmd;
 
@@ -19,6 +20,9 @@ struct Cli {
 enum Command {
     /// Run one vm in the foreground: this process is its VMM.
     Vmm(vmm_cmd::VmmArgs),
+    /// Guest images.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCommand),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +36,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Vmm(args) => vmm_cmd::run(args),
+        Command::Image(cmd) => image_cmd::run(cmd),
     };
     match result {
         Ok(code) => code,

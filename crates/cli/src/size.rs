@@ -11,7 +11,9 @@ pub fn parse_mib(s: &str) -> Result<u64, String> {
                 "M" => 1,
                 "G" => 1024,
                 "B" if num.ends_with(['M', 'm']) => return parse_mib(&num[..num.len() - 1]),
-                "B" if num.ends_with(['G', 'g']) => return parse_mib(&format!("{}G", &num[..num.len() - 1])),
+                "B" if num.ends_with(['G', 'g']) => {
+                    return parse_mib(&format!("{}G", &num[..num.len() - 1]))
+                }
                 _ => return Err(format!("unknown unit in {s:?}; use M or G (e.g. 512M, 2G)")),
             };
             (num, mult)
@@ -21,7 +23,8 @@ pub fn parse_mib(s: &str) -> Result<u64, String> {
     let n: u64 = num
         .parse()
         .map_err(|_| format!("{s:?} is not a size; use e.g. 512M or 2G"))?;
-    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 #[cfg(test)]

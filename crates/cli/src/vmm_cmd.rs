@@ -10,19 +10,28 @@ use vmm::VmConfig;
 
 /// Default command line for Linux guests: console on COM1, reset through
 /// the i8042, reboot on panic, and no probing of absent PC hardware.
-pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.nopnp";
+pub const DEFAULT_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.nopnp";
 
 #[derive(Args, Debug)]
 pub struct VmmArgs {
     /// Kernel: uncompressed ELF vmlinux, bzImage, or a micro guest ELF.
+    #[arg(long, required_unless_present = "image", conflicts_with = "image")]
+    kernel: Option<PathBuf>,
+    /// Image: `minimal` (built by `tine image build`), `micro-counter`,
+    /// `micro-memtouch`, or an image directory.
     #[arg(long)]
-    kernel: PathBuf,
-    /// Initramfs to load.
-    #[arg(long)]
+    image: Option<String>,
+    /// Initramfs to load (with --kernel).
+    #[arg(long, conflicts_with = "image")]
     initrd: Option<PathBuf>,
-    /// Kernel command line.
-    #[arg(long, default_value = DEFAULT_CMDLINE)]
-    cmdline: String,
+    /// Kernel command line (default for --kernel: a serial console setup;
+    /// for --image: the image's own).
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Words appended to the command line.
+    #[arg(long)]
+    append: Option<String>,
     /// Guest memory (e.g. 256M, 1G).
     #[arg(long, default_value = "256M", value_parser = crate::size::parse_mib)]
     mem: u64,
@@ -50,17 +59,36 @@ pub struct VmmArgs {
 }
 
 pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
+    let (kernel, initrd, image_cmdline) = match (&args.image, args.kernel) {
+        (Some(name), _) => {
+            let r = crate::image_cmd::resolve(name)?;
+            (r.kernel, r.initrd, r.cmdline)
+        }
+        (None, Some(kernel)) => (kernel, args.initrd, DEFAULT_CMDLINE.to_string()),
+        (None, None) => anyhow::bail!("give --kernel PATH or --image NAME"),
+    };
+    let mut cmdline = args.cmdline.unwrap_or(image_cmdline);
+    if let Some(extra) = &args.append {
+        if !cmdline.is_empty() {
+            cmdline.push(' ');
+        }
+        cmdline.push_str(extra);
+    }
     let config = VmConfig {
-        kernel: args.kernel,
-        initrd: args.initrd,
-        cmdline: args.cmdline,
+        kernel,
+        initrd,
+        cmdline,
         mem_mib: args.mem,
         vcpus: args.vcpus,
         console_log: args.console_log,
         console_stdout: args.console,
         console_stdin: args.console,
         disks: args.disks.iter().map(|d| parse_disk(d)).collect(),
-        nets: args.nets.iter().map(|n| parse_net(n)).collect::<anyhow::Result<_>>()?,
+        nets: args
+            .nets
+            .iter()
+            .map(|n| parse_net(n))
+            .collect::<anyhow::Result<_>>()?,
         vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
         kvm_device: args.kvm_device,
     };
@@ -119,7 +147,10 @@ fn parse_vsock(s: &str) -> anyhow::Result<VsockConfig> {
             .with_context(|| format!("unknown --vsock option {p:?}; use cid=N"))?;
         guest_cid = v.parse().with_context(|| format!("bad vsock cid {v:?}"))?;
     }
-    anyhow::ensure!(guest_cid > 2, "vsock cid {guest_cid} is reserved; use 3 or more");
+    anyhow::ensure!(
+        guest_cid > 2,
+        "vsock cid {guest_cid} is reserved; use 3 or more"
+    );
     Ok(VsockConfig {
         guest_cid,
         uds_path: path.into(),

@@ -129,6 +129,7 @@ pub fn write(
     busybox: &[u8],
     modules: &[Module],
     init: &str,
+    agent: Option<&[u8]>,
 ) -> Result<(), ImageError> {
     let file = File::create(dest).map_err(|e| ImageError::io(dest, e))?;
     let mut ar = Archive {
@@ -143,6 +144,9 @@ pub fn write(
         // The kernel opens /dev/console for init before devtmpfs is mounted.
         ar.char_dev("dev/console", 0o600, 5, 1).map_err(io)?;
         ar.file("bin/busybox", 0o755, busybox).map_err(io)?;
+        if let Some(agent) = agent {
+            ar.file("bin/tine-agent", 0o755, agent).map_err(io)?;
+        }
         let mut order = String::new();
         for m in modules {
             let bytes = std::fs::read(&m.path).map_err(|e| ImageError::io(&m.path, e))?;

@@ -26,7 +26,10 @@ pub const IMAGE_NAME: &str = "minimal";
 /// What the image's /init needs on the kernel command line: the console
 /// (where the ready marker and the shell go), plus reboot via the keyboard
 /// controller and reboot on panic so a failed boot ends the VMM.
-pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
+/// `pci=off`: the VMM has no PCI; the i8042 options skip probing an absent
+/// keyboard and mouse (only its reset line is emulated).
+pub const DEFAULT_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd quiet";
 const MANIFEST: &str = "manifest.json";
 const HINT_APT: &str = "run `apt-get update` (and check the network), or pass --kernel PATH";
 const HINT_BUSYBOX: &str =
@@ -72,6 +75,9 @@ pub enum ImageError {
         "{0} is not a static busybox: install busybox-static (apt-get install busybox-static)"
     )]
     BusyboxNotStatic(PathBuf),
+    /// The agent given is not a static executable.
+    #[error("agent {0} is not a static executable; build it with scripts/build-agent")]
+    AgentNotStatic(PathBuf),
     /// An image manifest cannot be read.
     #[error("Bad image manifest {path}")]
     Manifest {
@@ -103,6 +109,9 @@ pub struct BuildOptions {
     pub kernel: Option<PathBuf>,
     /// Ask apt again for the newest packages and rebuild even if cached.
     pub force: bool,
+    /// The guest agent (a static binary, see scripts/build-agent), installed
+    /// as /bin/tine-agent.
+    pub agent: Option<PathBuf>,
 }
 
 impl BuildOptions {
@@ -112,6 +121,7 @@ impl BuildOptions {
             home,
             kernel: None,
             force: false,
+            agent: None,
         }
     }
 }
@@ -239,17 +249,28 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
     let kernel = kernel_source(opts, &debs)?;
     let busybox = busybox_source(opts, &debs)?;
     let init = initramfs::init_script();
+    let agent = match &opts.agent {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| ImageError::io(path, e))?;
+            if !elf::is_static_executable(&bytes) {
+                return Err(ImageError::AgentNotStatic(path.clone()));
+            }
+            Some(bytes)
+        }
+        None => None,
+    };
     let module_list: &[&str] = match kernel {
         Source::File(_) => &[],
         Source::Deb(_) => modules::GUEST_MODULES,
     };
 
     let inputs = format!(
-        "builder={BUILDER_VERSION}\nkernel={}\nbusybox={}\ninit={}\nmodules={}\ncmdline={DEFAULT_CMDLINE}\n",
+        "builder={BUILDER_VERSION}\nkernel={}\nbusybox={}\ninit={}\nmodules={}\ncmdline={DEFAULT_CMDLINE}\nagent={}\n",
         hash_file(kernel.path())?,
         hash_file(busybox.path())?,
         blake3::hash(init.as_bytes()).to_hex(),
         module_list.join(","),
+        agent.as_deref().map(|a| blake3::hash(a).to_hex().to_string()).unwrap_or_default(),
     );
     let hash = blake3::hash(inputs.as_bytes()).to_hex()[..16].to_string();
     let images = opts.home.join("images");
@@ -269,8 +290,16 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
         BUILDS.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::remove_dir_all(&scratch).ok();
-    let result = assemble(&scratch, &kernel, &busybox, &init, module_list, &hash)
-        .and_then(|()| publish(&scratch.join("out"), &dir, opts.force));
+    let result = assemble(
+        &scratch,
+        &kernel,
+        &busybox,
+        &init,
+        module_list,
+        agent.as_deref(),
+        &hash,
+    )
+    .and_then(|()| publish(&scratch.join("out"), &dir, opts.force));
     std::fs::remove_dir_all(&scratch).ok();
     result?;
     let image = Image::load(&dir)?;
@@ -369,6 +398,7 @@ fn assemble(
     busybox: &Source,
     init: &str,
     module_list: &[&str],
+    agent: Option<&[u8]>,
     hash: &str,
 ) -> Result<(), ImageError> {
     let out = scratch.join("out");
@@ -401,7 +431,13 @@ fn assemble(
     std::fs::write(&dest, &kernel_bytes).map_err(|e| ImageError::io(&dest, e))?;
 
     tracing::info!("writing initramfs ({} modules)", mods.len());
-    initramfs::write(&out.join("initramfs.cpio"), &busybox_bytes, &mods, init)?;
+    initramfs::write(
+        &out.join("initramfs.cpio"),
+        &busybox_bytes,
+        &mods,
+        init,
+        agent,
+    )?;
 
     let image = Image {
         name: IMAGE_NAME.into(),

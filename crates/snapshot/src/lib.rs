@@ -95,7 +95,10 @@ mod tests {
 
     #[test]
     fn test_encode_decode_roundtrip() {
-        let s = S { a: 7, b: vec![1, 2, 3] };
+        let s = S {
+            a: 7,
+            b: vec![1, 2, 3],
+        };
         let bytes = encode(&s).expect("encode");
         let back: S = decode(&bytes).expect("decode");
         assert_eq!(back, s);
@@ -105,13 +108,19 @@ mod tests {
     #[test]
     fn test_decode_refuses_corruption_and_other_versions() {
         let mut bytes = encode(&S { a: 1, b: vec![] }).expect("encode");
-        assert!(matches!(decode::<S>(&bytes[..10]), Err(StateError::Truncated(_))));
+        assert!(matches!(
+            decode::<S>(&bytes[..10]),
+            Err(StateError::Truncated(_))
+        ));
         let mut bad = bytes.clone();
         bad[0] = b'X';
         assert!(matches!(decode::<S>(&bad), Err(StateError::BadMagic)));
         let mut bad = bytes.clone();
         bad[8] = 99;
-        assert!(matches!(decode::<S>(&bad), Err(StateError::Version { found: 99 })));
+        assert!(matches!(
+            decode::<S>(&bad),
+            Err(StateError::Version { found: 99 })
+        ));
         let n = bytes.len();
         bytes[n - 6] ^= 0xff;
         assert!(matches!(decode::<S>(&bytes), Err(StateError::Crc)));

@@ -4,14 +4,24 @@
 use std::fs::OpenOptions;
 use std::sync::{Arc, Mutex};
 
+use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+use kvm_ioctls::IoEventAddress;
+
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::arch::x86_64::acpi::{self, AcpiError, VirtioMmioSlot};
 use crate::arch::x86_64::{boot, layout};
 use crate::config::{ConfigError, VmConfig};
+use crate::devices::legacy::acpi_pm::{AcpiPmDevice, ACPI_PM_LEN, ACPI_PM_PORT};
 use crate::devices::legacy::i8042::{I8042_LEN, I8042_PORT};
 use crate::devices::legacy::serial::{COM1_LEN, COM1_PORT};
 use crate::devices::legacy::{ConsoleOutput, SerialDevice, I8042};
+use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
+use crate::devices::virtio::mmio::{MmioError, MmioTransport, MMIO_LEN, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::net::{Net, NetConfig, NetError};
+use crate::devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
+use crate::devices::virtio::VirtioDevice;
 use crate::devices::{Bus, BusError};
 use crate::exit::ExitNotifier;
 use crate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError};
@@ -39,6 +49,24 @@ pub enum BuildError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Vsock(#[from] VsockError),
+    #[error("Cannot set up the virtio-mmio transport")]
+    Mmio(#[from] MmioError),
+    #[error("Cannot create the device event loop")]
+    EventManager(#[source] event_manager::Error),
+    #[error("KVM refused an ioeventfd at {addr:#x}")]
+    IoEvent {
+        addr: u64,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error(transparent)]
+    Acpi(#[from] AcpiError),
     #[error("Cannot create an eventfd")]
     EventFd(#[source] std::io::Error),
     #[error("KVM refused an irqfd for GSI {gsi}")]
@@ -65,10 +93,31 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
 
     let exit = Arc::new(ExitNotifier::new());
     let (pio, serial) = legacy_devices(&vm, config, &exit)?;
-    let mmio = Bus::new();
+    let mut devices = VirtioDevices::new(&vm, &mem)?;
+    for d in &config.disks {
+        devices.attach(Block::new(BlockConfig {
+            path: d.path.clone(),
+            read_only: d.read_only,
+            id: None,
+        })?)?;
+    }
+    for n in &config.nets {
+        devices.attach(Net::new(NetConfig {
+            tap_name: n.tap.clone(),
+            mac: n.mac,
+        })?)?;
+    }
+    if let Some(v) = &config.vsock {
+        devices.attach(Vsock::new(VsockConfig {
+            guest_cid: v.guest_cid,
+            uds_path: v.uds_path.clone(),
+        })?)?;
+    }
+    let (mmio, event_manager, slots) = devices.finish();
 
+    let rsdp = acpi::create_acpi_tables(&mem, config.vcpus, &slots)?;
     let cmdline = boot::cmdline(&config.cmdline)?;
-    boot::configure_system(&mem, &kernel, &cmdline, initrd, None)?;
+    boot::configure_system(&mem, &kernel, &cmdline, initrd, Some(rsdp))?;
 
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
@@ -83,6 +132,7 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
         vcpus,
         pio: Arc::new(pio),
         mmio: Arc::new(mmio),
+        event_manager,
         exit,
         serial,
         console_stdin: config.console_stdin,
@@ -129,6 +179,80 @@ fn legacy_devices(
     )));
     let mut pio = Bus::new();
     pio.insert(serial.clone(), COM1_PORT, COM1_LEN)?;
-    pio.insert(Arc::new(Mutex::new(I8042::new(exit.clone()))), I8042_PORT, I8042_LEN)?;
+    pio.insert(
+        Arc::new(Mutex::new(I8042::new(exit.clone()))),
+        I8042_PORT,
+        I8042_LEN,
+    )?;
+    pio.insert(
+        Arc::new(Mutex::new(AcpiPmDevice::new(exit.clone()))),
+        u64::from(ACPI_PM_PORT),
+        ACPI_PM_LEN,
+    )?;
     Ok((pio, serial))
+}
+
+/// The device thread's subscribers.
+pub type DeviceEventManager = EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>;
+
+/// virtio-mmio devices as they are attached: each gets the next 4 KiB slot
+/// and GSI, its queue notifications as ioeventfds, its interrupt as an irqfd.
+struct VirtioDevices<'a> {
+    vm: &'a Vm,
+    mem: &'a GuestMemoryMmap,
+    mmio: Bus,
+    event_manager: DeviceEventManager,
+    slots: Vec<VirtioMmioSlot>,
+}
+
+impl<'a> VirtioDevices<'a> {
+    fn new(vm: &'a Vm, mem: &'a GuestMemoryMmap) -> Result<Self, BuildError> {
+        Ok(Self {
+            vm,
+            mem,
+            mmio: Bus::new(),
+            event_manager: EventManager::new().map_err(BuildError::EventManager)?,
+            slots: Vec::new(),
+        })
+    }
+
+    fn attach<D>(&mut self, device: D) -> Result<(), BuildError>
+    where
+        D: VirtioDevice + MutEventSubscriber + Send + 'static,
+    {
+        let n = self.slots.len() as u64;
+        let base = layout::VIRTIO_MMIO_START + n * layout::VIRTIO_MMIO_SLOT;
+        let gsi = layout::VIRTIO_GSI_START + n as u32;
+        let device = Arc::new(Mutex::new(device));
+        let transport = MmioTransport::new(self.mem.clone(), device.clone())?;
+        let notify = base + QUEUE_NOTIFY_OFFSET;
+        for (i, evt) in transport.queue_evts().iter().enumerate() {
+            self.vm
+                .fd()
+                .register_ioevent(evt, &IoEventAddress::Mmio(notify), i as u32)
+                .map_err(|source| BuildError::IoEvent {
+                    addr: notify,
+                    source,
+                })?;
+        }
+        self.vm
+            .fd()
+            .register_irqfd(transport.interrupt().irq_evt(), gsi)
+            .map_err(|source| BuildError::IrqFd { gsi, source })?;
+        self.mmio
+            .insert(Arc::new(Mutex::new(transport)), base, MMIO_LEN)?;
+        self.event_manager.add_subscriber(device);
+        self.slots.push(VirtioMmioSlot {
+            base,
+            len: MMIO_LEN,
+            gsi,
+        });
+        Ok(())
+    }
+
+    /// The MMIO bus, the device thread's event manager and the (base, GSI)
+    /// of every slot, for the ACPI tables.
+    fn finish(self) -> (Bus, DeviceEventManager, Vec<VirtioMmioSlot>) {
+        (self.mmio, self.event_manager, self.slots)
+    }
 }

@@ -88,7 +88,9 @@ pub enum ConfigError {
     KernelMissing(PathBuf),
     #[error("Initramfs {0} not found")]
     InitrdMissing(PathBuf),
-    #[error("Disk image {0} not found; create it first (e.g. truncate -s 1G FILE) or fix the path")]
+    #[error(
+        "Disk image {0} not found; create it first (e.g. truncate -s 1G FILE) or fix the path"
+    )]
     DiskMissing(PathBuf),
     #[error("Too many virtio devices ({0}); at most 16")]
     TooManyDevices(usize),
@@ -161,27 +163,65 @@ mod tests {
 
     #[test]
     fn test_validate_memory_bounds() {
-        assert_eq!(VmConfig { mem_mib: 32, ..cfg() }.validate(), Err(ConfigError::MemTooSmall(32)));
-        assert_eq!(VmConfig { mem_mib: 32768, ..cfg() }.validate(), Err(ConfigError::MemTooLarge(32768)));
+        assert_eq!(
+            VmConfig {
+                mem_mib: 32,
+                ..cfg()
+            }
+            .validate(),
+            Err(ConfigError::MemTooSmall(32))
+        );
+        assert_eq!(
+            VmConfig {
+                mem_mib: 32768,
+                ..cfg()
+            }
+            .validate(),
+            Err(ConfigError::MemTooLarge(32768))
+        );
         assert!(cfg().validate().is_ok());
         assert_eq!(
-            VmConfig { mem_mib: 8192, ..cfg() }.validate_for_host(Some(4096)),
-            Err(ConfigError::MemAboveHost { want: 8192, host: 4096 })
+            VmConfig {
+                mem_mib: 8192,
+                ..cfg()
+            }
+            .validate_for_host(Some(4096)),
+            Err(ConfigError::MemAboveHost {
+                want: 8192,
+                host: 4096
+            })
         );
     }
 
     #[test]
     fn test_validate_vcpus_and_files() {
-        assert_eq!(VmConfig { vcpus: 5, ..cfg() }.validate(), Err(ConfigError::VcpuCount(5)));
-        assert_eq!(VmConfig { vcpus: 0, ..cfg() }.validate(), Err(ConfigError::VcpuCount(0)));
+        assert_eq!(
+            VmConfig { vcpus: 5, ..cfg() }.validate(),
+            Err(ConfigError::VcpuCount(5))
+        );
+        assert_eq!(
+            VmConfig { vcpus: 0, ..cfg() }.validate(),
+            Err(ConfigError::VcpuCount(0))
+        );
         let missing = PathBuf::from("/nonexistent/kernel");
         assert_eq!(
-            VmConfig { kernel: missing.clone(), ..cfg() }.validate(),
+            VmConfig {
+                kernel: missing.clone(),
+                ..cfg()
+            }
+            .validate(),
             Err(ConfigError::KernelMissing(missing))
         );
-        let disk = DiskConfig { path: PathBuf::from("/nonexistent/disk.raw"), read_only: false };
+        let disk = DiskConfig {
+            path: PathBuf::from("/nonexistent/disk.raw"),
+            read_only: false,
+        };
         assert!(matches!(
-            VmConfig { disks: vec![disk], ..cfg() }.validate(),
+            VmConfig {
+                disks: vec![disk],
+                ..cfg()
+            }
+            .validate(),
             Err(ConfigError::DiskMissing(_))
         ));
     }

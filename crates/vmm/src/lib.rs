@@ -37,6 +37,7 @@ pub struct Vmm {
     exit: Arc<ExitNotifier>,
     serial: Arc<Mutex<SerialDevice>>,
     console_stdin: bool,
+    event_manager: builder::DeviceEventManager,
 }
 
 /// Errors while running a vm.
@@ -65,6 +66,13 @@ impl Vmm {
             let serial = self.serial.clone();
             spawn("console-in", move || forward_stdin(&serial))?;
         }
+        let mut event_manager = self.event_manager;
+        spawn("devices", move || loop {
+            if let Err(e) = event_manager.run() {
+                tracing::error!("device event loop failed: {e:?}");
+                return;
+            }
+        })?;
         for vcpu in self.vcpus {
             vcpu.start(self.pio.clone(), self.mmio.clone(), exit.clone())?;
         }

@@ -60,11 +60,13 @@ pub struct Vcpu {
 impl Vcpu {
     /// Creates vCPU `index` in `vm`.
     pub fn new(vm: &VmFd, index: u8) -> Result<Self, VcpuError> {
-        let fd = vm.create_vcpu(u64::from(index)).map_err(|source| VcpuError::Kvm {
-            index,
-            what: "KVM_CREATE_VCPU",
-            source,
-        })?;
+        let fd = vm
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Kvm {
+                index,
+                what: "KVM_CREATE_VCPU",
+                source,
+            })?;
         Ok(Self { index, fd })
     }
 
@@ -77,16 +79,27 @@ impl Vcpu {
         entry: u64,
     ) -> Result<(), VcpuError> {
         let index = self.index;
-        let kvm = |what| move |source| VcpuError::Kvm { index, what, source };
+        let kvm = |what| {
+            move |source| VcpuError::Kvm {
+                index,
+                what,
+                source,
+            }
+        };
         let mut cpuid = supported_cpuid.clone();
         cpuid::filter_cpuid(&mut cpuid, index, vcpu_count);
         self.fd.set_cpuid2(&cpuid).map_err(kvm("KVM_SET_CPUID2"))?;
         let msrs = msr::boot_msrs().map_err(|_| VcpuError::Msrs { index })?;
         self.fd.set_msrs(&msrs).map_err(kvm("KVM_SET_MSRS"))?;
-        self.fd.set_regs(&regs::boot_regs(entry)).map_err(kvm("KVM_SET_REGS"))?;
-        self.fd.set_fpu(&regs::boot_fpu()).map_err(kvm("KVM_SET_FPU"))?;
+        self.fd
+            .set_regs(&regs::boot_regs(entry))
+            .map_err(kvm("KVM_SET_REGS"))?;
+        self.fd
+            .set_fpu(&regs::boot_fpu())
+            .map_err(kvm("KVM_SET_FPU"))?;
         let sregs = self.fd.get_sregs().map_err(kvm("KVM_GET_SREGS"))?;
-        let sregs = regs::setup_long_mode(mem, sregs).map_err(|source| VcpuError::Regs { index, source })?;
+        let sregs = regs::setup_long_mode(mem, sregs)
+            .map_err(|source| VcpuError::Regs { index, source })?;
         self.fd.set_sregs(&sregs).map_err(kvm("KVM_SET_SREGS"))?;
         self.set_lint()?;
         Ok(())
@@ -171,7 +184,10 @@ impl Vcpu {
                     exit.notify(GuestExit::Crashed);
                 }
                 Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                    tracing::error!("vcpu{}: VM entry failed (reason {reason:#x}, cpu {cpu})", self.index);
+                    tracing::error!(
+                        "vcpu{}: VM entry failed (reason {reason:#x}, cpu {cpu})",
+                        self.index
+                    );
                     exit.notify(GuestExit::Crashed);
                 }
                 Ok(other) => {

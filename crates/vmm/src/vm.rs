@@ -2,7 +2,10 @@
 
 use std::path::Path;
 
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES,
+    KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Kvm, VmFd};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 
@@ -53,13 +56,18 @@ impl Vm {
                 source,
             },
         })?;
-        let fd = kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?;
+        let fd = kvm
+            .create_vm()
+            .map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?;
         let supported_cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| VmError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
         fd.set_tss_address(KVM_TSS_ADDRESS)
             .map_err(|e| VmError::Kvm("KVM_SET_TSS_ADDR", e))?;
-        Ok(Self { fd, supported_cpuid })
+        Ok(Self {
+            fd,
+            supported_cpuid,
+        })
     }
 
     /// Registers every guest memory region as a KVM memory slot. Must run

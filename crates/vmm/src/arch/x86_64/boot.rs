@@ -31,7 +31,10 @@ const PAGE_SIZE: u64 = 4096;
 pub enum BootError {
     /// The kernel file cannot be opened.
     #[error("Cannot open kernel {path}: {source}; pass an existing vmlinux (ELF) or bzImage")]
-    KernelOpen { path: PathBuf, source: std::io::Error },
+    KernelOpen {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The file is neither ELF nor bzImage.
     #[error("{path} is not a kernel: expected an uncompressed ELF vmlinux or a bzImage")]
     NotAKernel { path: PathBuf },
@@ -42,13 +45,20 @@ pub enum BootError {
         source: linux_loader::loader::Error,
     },
     /// A bzImage without the 64-bit entry point.
-    #[error("{path} has no 64-bit entry point (xloadflags lacks XLF_KERNEL_64); use a 64-bit kernel")]
+    #[error(
+        "{path} has no 64-bit entry point (xloadflags lacks XLF_KERNEL_64); use a 64-bit kernel"
+    )]
     Not64Bit { path: PathBuf },
     /// The initramfs cannot be read.
     #[error("Cannot read initramfs {path}: {source}")]
-    InitrdOpen { path: PathBuf, source: std::io::Error },
+    InitrdOpen {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The initramfs does not fit in low memory.
-    #[error("Initramfs {path} ({size} bytes) does not fit in guest memory; give the vm more memory")]
+    #[error(
+        "Initramfs {path} ({size} bytes) does not fit in guest memory; give the vm more memory"
+    )]
     InitrdTooBig { path: PathBuf, size: u64 },
     /// The command line is invalid or too long.
     #[error("Invalid kernel command line: {0}")]
@@ -87,21 +97,25 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, B
         source,
     })?;
     let is_elf = n >= 4 && head[..4] == *b"\x7fELF";
-    let is_bzimage = n >= 0x206 && u32::from_le_bytes([head[0x202], head[0x203], head[0x204], head[0x205]]) == KERNEL_HDR_MAGIC;
+    let is_bzimage = n >= 0x206
+        && u32::from_le_bytes([head[0x202], head[0x203], head[0x204], head[0x205]])
+            == KERNEL_HDR_MAGIC;
     let mut file = open()?;
     let load_err = |source| BootError::KernelLoad {
         path: path.to_path_buf(),
         source,
     };
     if is_elf {
-        let r = Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(load_err)?;
+        let r =
+            Elf::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(load_err)?;
         Ok(LoadedKernel {
             entry: r.kernel_load,
             setup_header: None,
             end: r.kernel_end,
         })
     } else if is_bzimage {
-        let r = BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START))).map_err(load_err)?;
+        let r = BzImage::load(mem, None, &mut file, Some(GuestAddress(HIMEM_START)))
+            .map_err(load_err)?;
         let hdr = r.setup_header.ok_or(BootError::NotAKernel {
             path: path.to_path_buf(),
         })?;
@@ -153,7 +167,9 @@ pub fn load_initrd(
     };
     let mut file = File::open(path).map_err(err)?;
     let size = file.metadata().map_err(err)?.len();
-    let low = mem.find_region(GuestAddress(0)).ok_or(BootError::NoLowRam)?;
+    let low = mem
+        .find_region(GuestAddress(0))
+        .ok_or(BootError::NoLowRam)?;
     let low_end = low.len();
     let max = kernel
         .setup_header
@@ -193,7 +209,8 @@ pub fn configure_system(
     initrd: Option<LoadedInitrd>,
     rsdp: Option<GuestAddress>,
 ) -> Result<(), BootError> {
-    load_cmdline(mem, GuestAddress(CMDLINE_START), cmdline).map_err(|_| BootError::Write("command line"))?;
+    load_cmdline(mem, GuestAddress(CMDLINE_START), cmdline)
+        .map_err(|_| BootError::Write("command line"))?;
     let cmdline_len = cmdline
         .as_cstring()
         .map_err(BootError::Cmdline)?
@@ -278,13 +295,21 @@ mod tests {
             setup_header: None,
             end: HIMEM_START + 4096,
         };
-        configure_system(&m, &k, &cmdline("console=ttyS0").expect("cmdline"), None, None).expect("configure");
+        configure_system(
+            &m,
+            &k,
+            &cmdline("console=ttyS0").expect("cmdline"),
+            None,
+            None,
+        )
+        .expect("configure");
         let p: BootParams = m.read_obj(GuestAddress(ZERO_PAGE_START)).expect("read");
         assert_eq!(p.0.e820_entries, 2);
         assert_eq!({ p.0.e820_table[1].addr }, HIMEM_START);
         assert_eq!({ p.0.hdr.cmd_line_ptr }, CMDLINE_START as u32);
         let mut b = [0u8; 14];
-        m.read_slice(&mut b, GuestAddress(CMDLINE_START)).expect("read");
+        m.read_slice(&mut b, GuestAddress(CMDLINE_START))
+            .expect("read");
         assert_eq!(&b[..13], b"console=ttyS0");
         assert_eq!(b[13], 0);
     }

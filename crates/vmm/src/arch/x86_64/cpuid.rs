@@ -14,7 +14,8 @@ pub fn filter_cpuid(cpuid: &mut CpuId, index: u8, count: u8) {
         match entry.function {
             LEAF_FEATURES => {
                 // EBX[31:24] initial APIC id, EBX[23:16] logical processors per package.
-                entry.ebx = (entry.ebx & 0x0000_ffff) | (u32::from(index) << 24) | (u32::from(count) << 16);
+                entry.ebx =
+                    (entry.ebx & 0x0000_ffff) | (u32::from(index) << 24) | (u32::from(count) << 16);
                 entry.ecx |= ECX_HYPERVISOR;
                 // HTT: more than one logical processor per package.
                 if count > 1 {

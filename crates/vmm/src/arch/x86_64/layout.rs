@@ -71,7 +71,13 @@ mod tests {
     fn test_ram_regions_split_around_gap() {
         assert_eq!(ram_regions(1 << 30), vec![(0, 1 << 30)]);
         let r = ram_regions(4 << 30);
-        assert_eq!(r, vec![(0, MMIO_GAP_START), (MMIO_GAP_END, (4 << 30) - MMIO_GAP_START)]);
+        assert_eq!(
+            r,
+            vec![
+                (0, MMIO_GAP_START),
+                (MMIO_GAP_END, (4 << 30) - MMIO_GAP_START)
+            ]
+        );
         assert_eq!(r.iter().map(|r| r.1).sum::<u64>(), 4 << 30);
     }
 }

@@ -37,7 +37,11 @@ fn segment_from_gdt(entry: u64, index: u8) -> kvm_segment {
     kvm_segment {
         base: ((entry & 0xff00_0000_0000_0000) >> 32) | ((entry & 0x0000_00ff_ffff_0000) >> 16),
         // With granularity set the limit counts 4 KiB pages.
-        limit: if g == 1 { ((limit << 12) | 0xfff) as u32 } else { limit as u32 },
+        limit: if g == 1 {
+            ((limit << 12) | 0xfff) as u32
+        } else {
+            limit as u32
+        },
         selector: u16::from(index) * 8,
         type_: ((entry >> 40) & 0xf) as u8,
         present: ((entry >> 47) & 1) as u8,
@@ -74,7 +78,10 @@ pub fn boot_fpu() -> kvm_fpu {
 }
 
 /// Writes the GDT and identity page tables, and returns `sregs` set to long mode.
-pub fn setup_long_mode(mem: &GuestMemoryMmap, mut sregs: kvm_sregs) -> Result<kvm_sregs, RegsError> {
+pub fn setup_long_mode(
+    mem: &GuestMemoryMmap,
+    mut sregs: kvm_sregs,
+) -> Result<kvm_sregs, RegsError> {
     let gdt: [u64; 4] = [
         gdt_entry(0, 0, 0),            // null
         gdt_entry(0xa09b, 0, 0xfffff), // code, 64-bit

@@ -1,5 +1,6 @@
 //! Legacy PC devices: 8250 serial, i8042 reset, ACPI power management.
 
+pub mod acpi_pm;
 pub mod i8042;
 pub mod serial;
 

@@ -87,7 +87,11 @@ impl SerialDevice {
     }
 
     /// Rebuilds the UART from a saved state.
-    pub fn from_state(state: &SerialState, irq: EventFd, out: ConsoleOutput) -> Result<Self, SerialError> {
+    pub fn from_state(
+        state: &SerialState,
+        irq: EventFd,
+        out: ConsoleOutput,
+    ) -> Result<Self, SerialError> {
         let serial = Serial::from_state(&state.into(), IrqFdTrigger(irq), NoEvents, out)
             .map_err(|_| SerialError::BadState)?;
         Ok(Self { serial })
@@ -189,7 +193,8 @@ mod tests {
         let first = dev.state();
         let json = serde_json::to_string(&first).expect("serialize");
         let back: SerialState = serde_json::from_str(&json).expect("deserialize");
-        let restored = SerialDevice::from_state(&back, evt(), ConsoleOutput::default()).expect("restore");
+        let restored =
+            SerialDevice::from_state(&back, evt(), ConsoleOutput::default()).expect("restore");
         assert_eq!(restored.state(), first);
         assert_eq!(first.in_buffer, b"abc");
         assert_eq!(first.scratch, 0x5a);
