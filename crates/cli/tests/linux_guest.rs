@@ -57,6 +57,12 @@ fn test_linux_boots_writes_disk_and_powers_off() {
         "DDDONE",
     );
     assert_eq!(status, 0, "dd into /dev/vda failed");
+    let status = sh(
+        &mut vm,
+        "grep -qx kvm-clock /sys/devices/system/clocksource/clocksource0/current_clocksource",
+        "CLOCK",
+    );
+    assert_eq!(status, 0, "the guest must use kvm-clock");
     let data = std::fs::read(&disk).expect("read disk");
     assert_eq!(&data[1 << 20..(1 << 20) + 24], b"tine-was-here-0123456789");
     vm.send("poweroff -f\n");
@@ -131,6 +137,8 @@ fn test_linux_net_pings_host_tap_in_netns() {
             "minimal",
             "--mem",
             "256M",
+            "--vcpus",
+            "2",
             "--net",
             "tap0,mac=52:54:00:aa:bb:01",
         ]);
@@ -152,6 +160,12 @@ fn test_linux_net_pings_host_tap_in_netns() {
         mac, 0,
         "guest MAC must come from the virtio-net config space"
     );
+    let cpus = sh(
+        &mut vm,
+        "test $(grep -c ^processor /proc/cpuinfo) -eq 2",
+        "CPUS",
+    );
+    assert_eq!(cpus, 0, "both vCPUs must come up (ACPI MADT, INIT/SIPI)");
     vm.send("poweroff -f\n");
     let status = vm.wait(STEP).expect("poweroff must end the VMM");
     assert!(status.success());

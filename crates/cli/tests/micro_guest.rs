@@ -118,3 +118,16 @@ fn test_guest_reset_ends_vmm_cleanly() {
         .expect("VMM must exit after a guest reset");
     assert!(status.success(), "guest reset is a clean exit: {status:?}");
 }
+
+#[test]
+fn test_counter_boots_with_memory_split_around_the_mmio_gap() {
+    if !kvm_available() {
+        return;
+    }
+    // 5 GiB: RAM below 3 GiB and above 4 GiB, two memory slots; untouched
+    // RAM costs nothing.
+    let vm = RunningVm::start(&["--image", "micro-counter", "--mem", "5G", "--vcpus", "2"]);
+    vm.expect_line("READY", Duration::from_secs(5));
+    vm.expect_line("WROTE 32", Duration::from_secs(5));
+    vm.expect_line("CNT ", Duration::from_secs(2));
+}

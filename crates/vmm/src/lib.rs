@@ -77,9 +77,9 @@ impl Vmm {
             vcpu.start(self.pio.clone(), self.mmio.clone(), exit.clone())?;
         }
         let reason = exit.wait();
-        // Keep the VM and its memory alive until here: vCPU threads still
-        // reference them until the process exits.
-        drop(self.mem);
+        // vCPU threads may still be inside KVM_RUN: the VM and its memory
+        // must outlive them, and the process ends right after this returns.
+        std::mem::forget(self.mem);
         std::mem::forget(self.vm);
         Ok(reason)
     }
