@@ -22,7 +22,9 @@ pub enum MemoryError {
 }
 
 /// Maps guest RAM for the given (start, size) regions.
-pub fn create_guest_memory(regions: &[(GuestAddress, usize)]) -> Result<GuestMemoryMmap, MemoryError> {
+pub fn create_guest_memory(
+    regions: &[(GuestAddress, usize)],
+) -> Result<GuestMemoryMmap, MemoryError> {
     GuestMemoryMmap::from_ranges(regions).map_err(|source| MemoryError::Map {
         addr: regions.first().map(|r| r.0 .0).unwrap_or(0),
         size: regions.iter().map(|r| r.1 as u64).sum(),

@@ -4,7 +4,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 /// The `tine` binary under test.
@@ -104,10 +104,7 @@ impl RunningVm {
 
     /// Next console line, or None after `timeout`.
     pub fn next_line(&self, timeout: Duration) -> Option<(Instant, String)> {
-        match self.lines.recv_timeout(timeout) {
-            Ok(l) => Some(l),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-        }
+        self.lines.recv_timeout(timeout).ok()
     }
 
     /// Waits for a line starting with `prefix`, returning it; panics with

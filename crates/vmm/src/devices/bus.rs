@@ -50,7 +50,9 @@ impl Bus {
         if len == 0 {
             return Err(BusError::ZeroLength { base });
         }
-        let end = base.checked_add(len).ok_or(BusError::Overlap { base, len })?;
+        let end = base
+            .checked_add(len)
+            .ok_or(BusError::Overlap { base, len })?;
         if let Some((b, e)) = self.devices.range(..end).next_back() {
             if b + e.len > base {
                 return Err(BusError::Overlap { base, len });
@@ -111,7 +113,8 @@ mod tests {
     #[test]
     fn test_bus_dispatch_by_offset() {
         let mut bus = Bus::new();
-        bus.insert(Arc::new(Mutex::new(Echo(1))), 0x100, 0x10).expect("insert");
+        bus.insert(Arc::new(Mutex::new(Echo(1))), 0x100, 0x10)
+            .expect("insert");
         let mut b = [0u8; 1];
         assert!(bus.read(0x105, &mut b));
         assert_eq!(b[0], 6);
@@ -124,9 +127,12 @@ mod tests {
     #[test]
     fn test_bus_overlap_rejected() {
         let mut bus = Bus::new();
-        bus.insert(Arc::new(Mutex::new(Echo(0))), 0x100, 0x10).expect("insert");
+        bus.insert(Arc::new(Mutex::new(Echo(0))), 0x100, 0x10)
+            .expect("insert");
         assert!(bus.insert(Arc::new(Mutex::new(Echo(0))), 0x10f, 1).is_err());
-        assert!(bus.insert(Arc::new(Mutex::new(Echo(0))), 0xf8, 0x9).is_err());
+        assert!(bus
+            .insert(Arc::new(Mutex::new(Echo(0))), 0xf8, 0x9)
+            .is_err());
         assert!(bus.insert(Arc::new(Mutex::new(Echo(0))), 0xf8, 0x8).is_ok());
     }
 }
