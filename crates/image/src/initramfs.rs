@@ -27,6 +27,8 @@ pub fn init_script() -> String {
         r#"#!/bin/busybox sh
 # tine minimal guest: mount, load the virtio modules, say ready, then run
 # the console shell, or the command given as tine.init=... and power off.
+# When the image has the guest agent, it runs in the background, logging
+# to the console.
 /bin/busybox --install -s
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root TERM=linux
 mount -t proc proc /proc
@@ -41,6 +43,9 @@ for m in $(cat /{order}); do
 done
 ip link set lo up
 hostname tine
+if [ -x /bin/tine-agent ]; then
+    setsid /bin/tine-agent serve </dev/null >/dev/console 2>&1 &
+fi
 cmd=$({sed} /proc/cmdline)
 echo "{ready}"
 if [ -n "$cmd" ]; then
