@@ -1,7 +1,10 @@
 //! `tine`: the command line. Each verb is a thin layer over the library crates.
 
+mod agent_client;
 mod image_cmd;
 mod size;
+mod state;
+mod vm_cmds;
 mod vmm_cmd;
 
 use std::process::ExitCode;
@@ -18,6 +21,37 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Start a vm in the background; returns when its agent answers.
+    Run(vm_cmds::RunArgs),
+    /// List vms: name, state, pid, memory, uptime.
+    Ls {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a vm's console log.
+    Console {
+        name: String,
+        /// Keep printing new output until the vm ends.
+        #[arg(long, short)]
+        follow: bool,
+    },
+    /// Stop a vm: agent shutdown, then SIGTERM, then SIGKILL after a timeout.
+    Stop {
+        name: String,
+        /// Seconds to wait for a clean shutdown.
+        #[arg(long, default_value_t = 60)]
+        timeout_secs: u64,
+    },
+    /// Kill a vm's VMM at once.
+    Kill { name: String },
+    /// Remove a stopped vm and its state.
+    Rm {
+        name: String,
+        /// Kill it first if it runs.
+        #[arg(long)]
+        force: bool,
+    },
     /// Run one vm in the foreground: this process is its VMM.
     Vmm(vmm_cmd::VmmArgs),
     /// Guest images.
@@ -36,6 +70,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Vmm(args) => vmm_cmd::run(args),
+        Command::Run(args) => home().and_then(|h| vm_cmds::run(&h, args)),
+        Command::Ls { json } => home().and_then(|h| vm_cmds::ls(&vm_cmds::ls_rows(&h)?, json)),
+        Command::Console { name, follow } => {
+            home().and_then(|h| vm_cmds::console(&h, &name, follow))
+        }
+        Command::Stop { name, timeout_secs } => home()
+            .and_then(|h| vm_cmds::stop(&h, &name, std::time::Duration::from_secs(timeout_secs))),
+        Command::Kill { name } => home().and_then(|h| vm_cmds::kill(&h, &name)),
+        Command::Rm { name, force } => home().and_then(|h| vm_cmds::rm(&h, &name, force)),
         Command::Image(cmd) => image_cmd::run(cmd),
     };
     match result {
@@ -45,6 +88,11 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `$TINE_HOME`, or `~/.cache/tine`.
+fn home() -> anyhow::Result<std::path::PathBuf> {
+    Ok(image::default_home()?)
 }
 
 /// The error and its sources on one line.

@@ -53,6 +53,9 @@ pub struct VmmArgs {
     /// virtio-vsock with a host Unix socket, `PATH[,cid=3]`.
     #[arg(long)]
     vsock: Option<String>,
+    /// Write why the vm ended to this file (JSON) when the VMM exits.
+    #[arg(long, hide = true)]
+    exit_file: Option<PathBuf>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -92,8 +95,27 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
         vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
         kvm_device: args.kvm_device,
     };
-    let vmm = vmm::build(&config)?;
+    let exit_file = args.exit_file;
+    let record_exit = |reason: String| {
+        if let Some(path) = &exit_file {
+            let rec = crate::state::ExitRecord {
+                reason,
+                ended_ms: crate::state::now_ms(),
+            };
+            if let Ok(bytes) = serde_json::to_vec(&rec) {
+                let _ = crate::state::write_atomic(path, &bytes);
+            }
+        }
+    };
+    let vmm = match vmm::build(&config) {
+        Ok(v) => v,
+        Err(e) => {
+            record_exit(format!("failed to start: {e}"));
+            return Err(e.into());
+        }
+    };
     let exit = vmm.run().context("vm failed")?;
+    record_exit(exit.to_string());
     eprintln!("tine: guest {exit}");
     Ok(ExitCode::from(exit.exit_code() as u8))
 }

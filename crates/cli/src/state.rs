@@ -1,0 +1,231 @@
+//! Where a vm's state lives on the host, and how its state is read back.
+//!
+//! `$TINE_HOME/vms/NAME/` holds `vm.json` (what was started: pid, config),
+//! `console.log` (COM1), `vmm.log` (the VMM's own stderr), `vsock.sock`
+//! (the agent's hybrid vsock socket) and, once the VMM has ended,
+//! `exit.json` (why). A vm whose VMM process is gone without an `exit.json`
+//! crashed or was killed from outside: `ls` reports it as `crashed` and `rm`
+//! cleans it up.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// What `tine run` started.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub name: String,
+    pub pid: u32,
+    /// Start time of the VMM process (clock ticks since boot, /proc/PID/stat
+    /// field 22), so a reused pid is not mistaken for our VMM.
+    pub pid_start: u64,
+    /// Unix time in milliseconds.
+    pub created_ms: u64,
+    pub image: String,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+    /// Whether the guest runs tine-agent (Linux images do; micro guests do not).
+    pub agent: bool,
+}
+
+/// Written by the VMM when it ends.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub reason: String,
+    pub ended_ms: u64,
+}
+
+/// A vm's state as `ls` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    Running,
+    /// The VMM ended normally (poweroff, reset, stop).
+    Stopped,
+    /// The VMM process is gone without saying why (crash, kill -9).
+    Crashed,
+}
+
+impl std::fmt::Display for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VmState::Running => "running",
+            VmState::Stopped => "stopped",
+            VmState::Crashed => "crashed",
+        })
+    }
+}
+
+/// The directory of all vms.
+pub fn vms_dir(home: &Path) -> PathBuf {
+    home.join("vms")
+}
+
+/// Checks a vm name: it becomes a directory and a tap/socket name part.
+pub fn validate_name(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric());
+    anyhow::ensure!(
+        ok,
+        "invalid vm name {name:?}: use 1-48 letters, digits, '-', '_' or '.', starting with a letter or digit"
+    );
+    Ok(())
+}
+
+/// One vm's directory and files.
+#[derive(Clone, Debug)]
+pub struct VmDir {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+impl VmDir {
+    pub fn new(home: &Path, name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            dir: vms_dir(home).join(name),
+        }
+    }
+    pub fn record_path(&self) -> PathBuf {
+        self.dir.join("vm.json")
+    }
+    pub fn exit_path(&self) -> PathBuf {
+        self.dir.join("exit.json")
+    }
+    pub fn console_log(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn vmm_log(&self) -> PathBuf {
+        self.dir.join("vmm.log")
+    }
+    pub fn vsock(&self) -> PathBuf {
+        self.dir.join("vsock.sock")
+    }
+    pub fn exists(&self) -> bool {
+        self.record_path().is_file()
+    }
+
+    pub fn read_record(&self) -> anyhow::Result<VmRecord> {
+        let p = self.record_path();
+        let text = std::fs::read_to_string(&p).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                anyhow::anyhow!("no vm named {:?} (see `tine ls`)", self.name)
+            } else {
+                anyhow::anyhow!("cannot read {}: {e}", p.display())
+            }
+        })?;
+        serde_json::from_str(&text).with_context(|| format!("corrupt {}", p.display()))
+    }
+
+    pub fn write_record(&self, r: &VmRecord) -> anyhow::Result<()> {
+        write_atomic(&self.record_path(), &serde_json::to_vec_pretty(r)?)
+    }
+
+    pub fn read_exit(&self) -> Option<ExitRecord> {
+        let text = std::fs::read_to_string(self.exit_path()).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// The vm's state, from its record, its process and its exit record.
+    pub fn state(&self, r: &VmRecord) -> VmState {
+        if process_alive(r.pid, r.pid_start) {
+            VmState::Running
+        } else if self.read_exit().is_some() {
+            VmState::Stopped
+        } else {
+            VmState::Crashed
+        }
+    }
+}
+
+/// Writes a file by rename, so readers never see half of it.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Start time of a process (field 22 of /proc/PID/stat), if it exists.
+pub fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; fields after it follow ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `pid` is alive and is the same process that started at `start`
+/// (a zombie counts as gone).
+pub fn process_alive(pid: u32, start: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let zombie = stat
+        .rfind(')')
+        .and_then(|i| stat.get(i + 2..i + 3))
+        .is_some_and(|s| s == "Z");
+    !zombie && process_start(pid) == Some(start)
+}
+
+/// Resident memory of a process in KiB.
+pub fn process_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// All vm directories, sorted by name.
+pub fn list(home: &Path) -> anyhow::Result<Vec<VmDir>> {
+    let dir = vms_dir(home);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(anyhow::anyhow!("cannot read {}: {e}", dir.display())),
+    };
+    let mut vms: Vec<VmDir> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(|n| VmDir::new(home, n)))
+        .filter(VmDir::exists)
+        .collect();
+    vms.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(vms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_validate_name_rejects_paths_and_empty() {
+        assert!(validate_name("web-1").is_ok());
+        assert!(validate_name("a.b_c").is_ok());
+        for bad in ["", "../x", "a/b", "-x", ".x", "a b", &"x".repeat(49)] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn test_process_alive_checks_start_time() {
+        let me = std::process::id();
+        let start = process_start(me).expect("own stat");
+        assert!(process_alive(me, start));
+        assert!(!process_alive(me, start + 1));
+        assert!(!process_alive(u32::MAX - 1, start));
+    }
+}

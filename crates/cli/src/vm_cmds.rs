@@ -1,0 +1,381 @@
+//! The vm verbs: run, ls, console, stop, kill, rm. Each vm is one detached
+//! VMM process (`tine vmm`) with its state under `$TINE_HOME/vms/NAME/`.
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde::Serialize;
+
+use crate::agent_client;
+use crate::state::{self, VmDir, VmRecord, VmState};
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Name of the vm (letters, digits, '-', '_', '.').
+    #[arg(long)]
+    name: String,
+    /// Image: `minimal` (Linux, `tine image build`), `micro-counter`,
+    /// `micro-memtouch`, or an image directory.
+    #[arg(long, default_value = "minimal", conflicts_with = "kernel")]
+    image: String,
+    /// A kernel file instead of an image (a micro guest ELF, vmlinux or bzImage).
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// Guest memory (e.g. 512M, 2G).
+    #[arg(long, default_value = "512M", value_parser = crate::size::parse_mib)]
+    mem: u64,
+    /// vCPUs (1–4).
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Raw disk image as virtio-blk (repeatable).
+    #[arg(long = "disk")]
+    disks: Vec<PathBuf>,
+    /// Give the vm a tap device (`tt-NAME`) as virtio-net.
+    #[arg(long)]
+    net: bool,
+    /// Do not wait for a guest agent (micro guests have none).
+    #[arg(long)]
+    no_agent: bool,
+    /// How long to wait for the agent to answer.
+    #[arg(long, default_value_t = 180)]
+    timeout_secs: u64,
+}
+
+/// `tine run`: starts the VMM detached and waits for the agent.
+pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
+    state::validate_name(&args.name)?;
+    let vm = VmDir::new(home, &args.name);
+    if vm.exists() {
+        let r = vm.read_record()?;
+        match vm.state(&r) {
+            VmState::Running => bail!(
+                "a vm named {:?} is already running; pick another --name",
+                args.name
+            ),
+            s => bail!(
+                "a {s} vm named {:?} exists; remove it first with `tine rm {}`",
+                args.name,
+                args.name
+            ),
+        }
+    }
+    let micro = args.kernel.is_none() && args.image.starts_with("micro-");
+    let agent = !args.no_agent && !micro;
+    // Leftovers of a vm that never wrote its record.
+    let _ = std::fs::remove_dir_all(&vm.dir);
+    std::fs::create_dir_all(&vm.dir)
+        .with_context(|| format!("cannot create {}", vm.dir.display()))?;
+
+    let exe = std::env::current_exe().context("cannot find the tine executable")?;
+    let mut cmd = Command::new(&exe);
+    cmd.arg("vmm");
+    match &args.kernel {
+        Some(k) => cmd.arg("--kernel").arg(k),
+        None => cmd.arg("--image").arg(&args.image),
+    };
+    cmd.arg("--mem").arg(format!("{}M", args.mem));
+    cmd.arg("--vcpus").arg(args.vcpus.to_string());
+    cmd.arg("--console-log").arg(vm.console_log());
+    cmd.arg("--exit-file").arg(vm.exit_path());
+    for d in &args.disks {
+        cmd.arg("--disk").arg(d);
+    }
+    if args.net {
+        cmd.arg("--net").arg(tap_name(&args.name));
+    }
+    if !micro {
+        cmd.arg("--vsock").arg(vm.vsock());
+    }
+    let log = std::fs::File::create(vm.vmm_log())
+        .with_context(|| format!("cannot create {}", vm.vmm_log().display()))?;
+    let log_err = log.try_clone().context("cannot open the VMM log")?;
+    cmd.stdin(Stdio::null()).stdout(log).stderr(log_err);
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
+    // detaches the VMM from our session so it outlives this command.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let started = Instant::now();
+    let mut child = cmd.spawn().context("cannot start the VMM")?;
+    let pid = child.id();
+    let record = VmRecord {
+        name: args.name.clone(),
+        pid,
+        pid_start: state::process_start(pid).unwrap_or(0),
+        created_ms: state::now_ms(),
+        image: match &args.kernel {
+            Some(k) => k.display().to_string(),
+            None => args.image.clone(),
+        },
+        mem_mib: args.mem,
+        vcpus: args.vcpus,
+        agent,
+    };
+    vm.write_record(&record)?;
+
+    let deadline = started + Duration::from_secs(args.timeout_secs);
+    loop {
+        if let Some(status) = child.try_wait().context("cannot watch the VMM")? {
+            let log = std::fs::read_to_string(vm.vmm_log()).unwrap_or_default();
+            let why = log
+                .lines()
+                .rev()
+                .find(|l| l.starts_with("tine: "))
+                .unwrap_or("");
+            bail!(
+                "vm {:?} ended before it was ready ({status}): {}; see {} and {}",
+                args.name,
+                why.trim_start_matches("tine: "),
+                vm.vmm_log().display(),
+                vm.console_log().display()
+            );
+        }
+        let ready = if agent {
+            agent_client::ping(&vm.vsock(), Duration::from_millis(500)).is_ok()
+        } else {
+            started.elapsed() > Duration::from_millis(20)
+        };
+        if ready {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "the agent of vm {:?} did not answer within {}s; the vm was killed (see {})",
+                args.name,
+                args.timeout_secs,
+                vm.console_log().display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let what = if agent {
+        "agent answered"
+    } else {
+        "VMM running"
+    };
+    println!(
+        "{}: {what} in {:.0} ms (pid {pid})",
+        args.name,
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+    // The VMM is not our child to wait for: it is reparented when we exit.
+    std::mem::forget(child);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The tap of a vm: IFNAMSIZ allows 15 bytes.
+fn tap_name(name: &str) -> String {
+    let mut t = format!("tt-{name}");
+    t.truncate(15);
+    t
+}
+
+/// One row of `tine ls`.
+#[derive(Debug, Serialize)]
+pub struct LsRow {
+    pub name: String,
+    pub state: VmState,
+    pub pid: Option<u32>,
+    pub image: String,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+    /// Resident memory of the VMM process (guest pages it touched included).
+    pub rss_mib: Option<u64>,
+    pub uptime_s: Option<u64>,
+    pub exit: Option<String>,
+}
+
+/// The rows for every vm under `home`.
+pub fn ls_rows(home: &Path) -> anyhow::Result<Vec<LsRow>> {
+    let mut rows = Vec::new();
+    for vm in state::list(home)? {
+        let Ok(r) = vm.read_record() else { continue };
+        let st = vm.state(&r);
+        let running = st == VmState::Running;
+        rows.push(LsRow {
+            name: r.name.clone(),
+            state: st,
+            pid: running.then_some(r.pid),
+            image: r.image.clone(),
+            mem_mib: r.mem_mib,
+            vcpus: r.vcpus,
+            rss_mib: if running {
+                state::process_rss_kib(r.pid).map(|k| k / 1024)
+            } else {
+                None
+            },
+            uptime_s: running.then(|| state::now_ms().saturating_sub(r.created_ms) / 1000),
+            exit: match st {
+                VmState::Stopped => vm.read_exit().map(|e| e.reason),
+                VmState::Crashed => Some("VMM process gone without an exit record".into()),
+                VmState::Running => None,
+            },
+        });
+    }
+    Ok(rows)
+}
+
+/// `tine ls`.
+pub fn ls(rows: &[LsRow], json: bool) -> anyhow::Result<ExitCode> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(rows)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<20} {:<8} {:>8} {:>8} {:>8}  IMAGE",
+        "NAME", "STATE", "PID", "MEM", "UPTIME"
+    );
+    for r in rows {
+        let pid = r.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into());
+        let mem = match r.rss_mib {
+            Some(rss) => format!("{rss}/{}M", r.mem_mib),
+            None => format!("{}M", r.mem_mib),
+        };
+        let up = r.uptime_s.map(fmt_duration).unwrap_or_else(|| "-".into());
+        let note = r
+            .exit
+            .as_ref()
+            .map(|e| format!("  ({e})"))
+            .unwrap_or_default();
+        println!(
+            "{:<20} {:<8} {:>8} {:>8} {:>8}  {}{note}",
+            r.name, r.state, pid, mem, up, r.image
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn fmt_duration(s: u64) -> String {
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{}s", s / 60, s % 60),
+        _ => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// `tine console NAME [--follow]`.
+pub fn console(home: &Path, name: &str, follow: bool) -> anyhow::Result<ExitCode> {
+    let vm = VmDir::new(home, name);
+    let record = vm.read_record()?;
+    let path = vm.console_log();
+    let mut file =
+        std::fs::File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut out = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = file
+            .read(&mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if n > 0 {
+            out.write_all(&buf[..n])?;
+            continue;
+        }
+        out.flush()?;
+        if !follow || vm.state(&record) != VmState::Running {
+            // One more read catches what was written just before the end.
+            let pos = file.stream_position()?;
+            file.seek(SeekFrom::Start(pos))?;
+            let n = file.read(&mut buf)?;
+            out.write_all(&buf[..n])?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `tine stop NAME`: ask the agent to shut down, then SIGTERM, then SIGKILL.
+pub fn stop(home: &Path, name: &str, timeout: Duration) -> anyhow::Result<ExitCode> {
+    let vm = VmDir::new(home, name);
+    let r = vm.read_record()?;
+    if vm.state(&r) != VmState::Running {
+        println!("{name}: already {}", vm.state(&r));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if r.agent
+        && agent_client::shutdown(&vm.vsock(), Duration::from_secs(5)).is_ok()
+        && wait_gone(&r, timeout)
+    {
+        println!("{name}: stopped");
+        return Ok(ExitCode::SUCCESS);
+    }
+    signal(&r, libc::SIGTERM);
+    if wait_gone(&r, Duration::from_secs(5)) {
+        println!("{name}: stopped (SIGTERM)");
+        return Ok(ExitCode::SUCCESS);
+    }
+    kill_now(&vm, &r)?;
+    println!("{name}: killed (did not stop within the timeout)");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tine kill NAME`: SIGKILL the VMM.
+pub fn kill(home: &Path, name: &str) -> anyhow::Result<ExitCode> {
+    let vm = VmDir::new(home, name);
+    let r = vm.read_record()?;
+    if vm.state(&r) != VmState::Running {
+        println!("{name}: already {}", vm.state(&r));
+        return Ok(ExitCode::SUCCESS);
+    }
+    kill_now(&vm, &r)?;
+    println!("{name}: killed");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn kill_now(vm: &VmDir, r: &VmRecord) -> anyhow::Result<()> {
+    signal(r, libc::SIGKILL);
+    if !wait_gone(r, Duration::from_secs(5)) {
+        bail!("VMM pid {} of vm {:?} survived SIGKILL", r.pid, r.name);
+    }
+    let rec = state::ExitRecord {
+        reason: "killed".into(),
+        ended_ms: state::now_ms(),
+    };
+    state::write_atomic(&vm.exit_path(), &serde_json::to_vec(&rec)?)
+}
+
+/// `tine rm NAME [--force]`.
+pub fn rm(home: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
+    state::validate_name(name)?;
+    let vm = VmDir::new(home, name);
+    let r = vm.read_record()?;
+    if vm.state(&r) == VmState::Running {
+        if !force {
+            bail!("vm {name:?} is running; `tine stop {name}` first, or `tine rm --force {name}`");
+        }
+        kill_now(&vm, &r)?;
+    }
+    std::fs::remove_dir_all(&vm.dir)
+        .with_context(|| format!("cannot remove {}", vm.dir.display()))?;
+    println!("{name}: removed");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn signal(r: &VmRecord, sig: libc::c_int) {
+    if state::process_alive(r.pid, r.pid_start) {
+        // SAFETY: kill(2) with a pid we checked is our VMM (pid + start time).
+        unsafe {
+            libc::kill(r.pid as libc::pid_t, sig);
+        }
+    }
+}
+
+fn wait_gone(r: &VmRecord, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if !state::process_alive(r.pid, r.pid_start) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    !state::process_alive(r.pid, r.pid_start)
+}

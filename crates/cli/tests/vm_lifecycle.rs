@@ -1,0 +1,207 @@
+//! `tine run/ls/console/stop/kill/rm` with micro guests on this machine's
+//! /dev/kvm: state under $TINE_HOME, processes supervised by pid + start time.
+
+mod common;
+
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use common::{kvm_available, tine, TempDir};
+
+fn t(home: &TempDir, args: &[&str]) -> Output {
+    tine()
+        .args(args)
+        .env("TINE_HOME", home.path())
+        .output()
+        .expect("run tine")
+}
+
+fn ok(home: &TempDir, args: &[&str]) -> String {
+    let out = t(home, args);
+    assert!(
+        out.status.success(),
+        "tine {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn ls(home: &TempDir) -> Vec<serde_json::Value> {
+    serde_json::from_str(&ok(home, &["ls", "--json"])).expect("ls --json is JSON")
+}
+
+fn field<'a>(rows: &'a [serde_json::Value], name: &str, key: &str) -> &'a serde_json::Value {
+    let row = rows
+        .iter()
+        .find(|r| r["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not in ls: {rows:?}"));
+    &row[key]
+}
+
+fn pid_alive(pid: u64) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+#[test]
+fn test_two_vms_run_list_stop_and_remove_leave_nothing() {
+    if !kvm_available() {
+        return;
+    }
+    let home = TempDir::new("lifecycle");
+    ok(
+        &home,
+        &[
+            "run",
+            "--name",
+            "a",
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+        ],
+    );
+    ok(
+        &home,
+        &[
+            "run",
+            "--name",
+            "b",
+            "--image",
+            "micro-memtouch",
+            "--mem",
+            "64M",
+        ],
+    );
+    let rows = ls(&home);
+    assert_eq!(rows.len(), 2);
+    assert_eq!(field(&rows, "a", "state"), "running");
+    assert_eq!(field(&rows, "b", "state"), "running");
+    let pid_a = field(&rows, "a", "pid").as_u64().expect("pid");
+    let pid_b = field(&rows, "b", "pid").as_u64().expect("pid");
+    assert!(pid_alive(pid_a) && pid_alive(pid_b));
+
+    // The console log fills while the vm runs.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !ok(&home, &["console", "a"]).contains("CNT 2") {
+        assert!(
+            Instant::now() < deadline,
+            "counter console never showed CNT 2"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    ok(&home, &["stop", "a"]);
+    let rows = ls(&home);
+    assert_eq!(field(&rows, "a", "state"), "stopped");
+    assert_eq!(field(&rows, "b", "state"), "running");
+    assert!(!pid_alive(pid_a), "stop must end the VMM");
+
+    let out = t(&home, &["rm", "b"]);
+    assert!(!out.status.success(), "rm of a running vm must be refused");
+    ok(&home, &["stop", "b"]);
+    ok(&home, &["rm", "a"]);
+    ok(&home, &["rm", "b"]);
+    assert!(!pid_alive(pid_b));
+    assert!(ls(&home).is_empty());
+    let left: Vec<_> = std::fs::read_dir(home.path().join("vms"))
+        .expect("vms dir")
+        .collect();
+    assert!(left.is_empty(), "state left behind: {left:?}");
+}
+
+#[test]
+fn test_crashed_vmm_is_reported_and_cleaned() {
+    if !kvm_available() {
+        return;
+    }
+    let home = TempDir::new("crash");
+    ok(
+        &home,
+        &[
+            "run",
+            "--name",
+            "c",
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+        ],
+    );
+    let pid = field(&ls(&home), "c", "pid").as_u64().expect("pid");
+    // kill(1) stands in for a crash of the VMM.
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while field(&ls(&home), "c", "state") != "crashed" {
+        assert!(Instant::now() < deadline, "ls never reported the crash");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = t(&home, &["run", "--name", "c", "--image", "micro-counter"]);
+    assert!(
+        !out.status.success(),
+        "a crashed vm's name stays taken until rm"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tine rm c"));
+    ok(&home, &["rm", "c"]);
+    assert!(ls(&home).is_empty());
+}
+
+#[test]
+fn test_duplicate_name_and_unknown_vm_are_clear_errors() {
+    if !kvm_available() {
+        return;
+    }
+    let home = TempDir::new("dup");
+    ok(
+        &home,
+        &[
+            "run",
+            "--name",
+            "d",
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+        ],
+    );
+    let out = t(
+        &home,
+        &[
+            "run",
+            "--name",
+            "d",
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already running"));
+    for verb in [
+        &["stop", "nope"][..],
+        &["rm", "nope"],
+        &["console", "nope"],
+        &["kill", "nope"],
+    ] {
+        let out = t(&home, verb);
+        assert!(!out.status.success(), "{verb:?} on an unknown vm must fail");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("no vm named"),
+            "{verb:?}"
+        );
+    }
+    let out = t(
+        &home,
+        &["run", "--name", "../evil", "--image", "micro-counter"],
+    );
+    assert!(!out.status.success());
+    ok(&home, &["rm", "--force", "d"]);
+    assert!(ls(&home).is_empty());
+}
