@@ -24,6 +24,12 @@
 
 use std::io::{self, Read, Write};
 
+mod client;
+pub use client::{
+    connect_vsock_uds, exec, hello, hello_as, ping, read_file, shutdown, vsock_handshake,
+    write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo, Pong,
+};
+
 use serde::{Deserialize, Serialize};
 
 /// Protocol version spoken by this build.
@@ -274,15 +280,27 @@ mod tests {
     #[test]
     fn test_bad_frames_are_errors() {
         let mut r: &[u8] = &(MAX_FRAME + 1).to_le_bytes();
-        assert!(matches!(read_frame(&mut r), Err(ProtocolError::TooLarge(_))));
+        assert!(matches!(
+            read_frame(&mut r),
+            Err(ProtocolError::TooLarge(_))
+        ));
         let wire = [3u8, 0, 0, 0, 9, 1, 2];
-        assert!(matches!(read_frame(&mut &wire[..]), Err(ProtocolError::FrameType(9))));
+        assert!(matches!(
+            read_frame(&mut &wire[..]),
+            Err(ProtocolError::FrameType(9))
+        ));
         let body = br#"{"type":"teleport"}"#;
         let mut wire = ((body.len() + 1) as u32).to_le_bytes().to_vec();
         wire.push(FRAME_MESSAGE);
         wire.extend_from_slice(body);
-        assert!(matches!(read_frame(&mut &wire[..]), Err(ProtocolError::Decode(_))));
+        assert!(matches!(
+            read_frame(&mut &wire[..]),
+            Err(ProtocolError::Decode(_))
+        ));
         let wire = [2u8, 0, 0, 0, FRAME_DATA, 7];
-        assert!(matches!(read_frame(&mut &wire[..]), Err(ProtocolError::BadStream(7))));
+        assert!(matches!(
+            read_frame(&mut &wire[..]),
+            Err(ProtocolError::BadStream(7))
+        ));
     }
 }
