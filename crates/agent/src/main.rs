@@ -3,18 +3,66 @@
 //! Built as a static glibc binary (`-C target-feature=+crt-static`, see
 //! scripts/build-agent) so it runs from any initramfs.
 //!
-//! For now it offers `vsock-echo PORT`: every connection on PORT gets its
-//! bytes back (the VMM's vsock round-trip test). The request protocol of the
-//! agent arrives with the CLI issue.
+//! - `tine-agent serve [--vsock PORT] [--unix PATH] [--tcp ADDR]
+//!   [--exit-on-shutdown]`: serves the protocol (crates/protocol) on each
+//!   listener given; with none, on vsock port `protocol::AGENT_PORT`.
+//!   `--exit-on-shutdown` makes `Shutdown` exit the agent instead of
+//!   powering the machine off (for running it on a host).
+//! - `tine-agent vsock-echo PORT`: every connection on PORT gets its bytes
+//!   back (the VMM's vsock round-trip test).
 
+mod serve;
 mod vsock;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
 
+use serve::OnShutdown;
+
+const USAGE: &str =
+    "usage: tine-agent serve [--vsock PORT] [--unix PATH] [--tcp ADDR] [--exit-on-shutdown]
+       tine-agent vsock-echo PORT";
+
+enum Listen {
+    Vsock(u32),
+    Unix(String),
+    Tcp(String),
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
+        Some("serve") => {
+            let mut listens = Vec::new();
+            let mut on_shutdown = OnShutdown::PowerOff;
+            let mut it = args[2..].iter();
+            while let Some(a) = it.next() {
+                if a == "--exit-on-shutdown" {
+                    on_shutdown = OnShutdown::Exit;
+                    continue;
+                }
+                let l = match (a.as_str(), it.next()) {
+                    ("--vsock", Some(p)) => match p.parse() {
+                        Ok(p) => Listen::Vsock(p),
+                        Err(_) => {
+                            eprintln!("tine-agent: bad vsock port {p:?}\n{USAGE}");
+                            return ExitCode::from(2);
+                        }
+                    },
+                    ("--unix", Some(p)) => Listen::Unix(p.clone()),
+                    ("--tcp", Some(a)) => Listen::Tcp(a.clone()),
+                    _ => {
+                        eprintln!("{USAGE}");
+                        return ExitCode::from(2);
+                    }
+                };
+                listens.push(l);
+            }
+            if listens.is_empty() {
+                listens.push(Listen::Vsock(protocol::AGENT_PORT));
+            }
+            serve_all(listens, on_shutdown)
+        }
         Some("vsock-echo") => {
             let Some(port) = args.get(2).and_then(|p| p.parse::<u32>().ok()) else {
                 eprintln!("usage: tine-agent vsock-echo PORT");
@@ -29,8 +77,79 @@ fn main() -> ExitCode {
             }
         }
         _ => {
-            eprintln!("usage: tine-agent vsock-echo PORT");
+            eprintln!("{USAGE}");
             ExitCode::from(2)
+        }
+    }
+}
+
+/// Binds every listener, then serves them all; returns only on failure.
+fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
+    let mut threads = Vec::new();
+    for l in listens {
+        let t = match l {
+            Listen::Vsock(port) => match vsock::VsockListener::bind(port) {
+                Ok(lst) => {
+                    eprintln!("tine-agent: listening on vsock port {port}");
+                    std::thread::spawn(move || {
+                        accept_loop(|| lst.accept(), on_shutdown, format!("vsock port {port}"))
+                    })
+                }
+                Err(e) => return bind_failed(&format!("vsock port {port}"), &e),
+            },
+            Listen::Unix(path) => match std::os::unix::net::UnixListener::bind(&path) {
+                Ok(lst) => {
+                    eprintln!("tine-agent: listening on {path}");
+                    std::thread::spawn(move || {
+                        accept_loop(|| lst.accept().map(|(s, _)| s), on_shutdown, path)
+                    })
+                }
+                Err(e) => return bind_failed(&path, &e),
+            },
+            Listen::Tcp(addr) => match std::net::TcpListener::bind(&addr) {
+                Ok(lst) => {
+                    eprintln!("tine-agent: listening on tcp {addr}");
+                    std::thread::spawn(move || {
+                        accept_loop(|| lst.accept().map(|(s, _)| s), on_shutdown, addr)
+                    })
+                }
+                Err(e) => return bind_failed(&addr, &e),
+            },
+        };
+        threads.push(t);
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    ExitCode::FAILURE
+}
+
+fn bind_failed(what: &str, e: &std::io::Error) -> ExitCode {
+    eprintln!("tine-agent: cannot listen on {what}: {e}");
+    ExitCode::FAILURE
+}
+
+/// Accepts connections forever, one thread each.
+fn accept_loop<C: protocol::Connection>(
+    mut accept: impl FnMut() -> std::io::Result<C>,
+    on_shutdown: OnShutdown,
+    what: String,
+) {
+    loop {
+        match accept() {
+            Ok(conn) => {
+                let spawned = std::thread::Builder::new()
+                    .name("tine-agent-conn".into())
+                    .spawn(move || serve::handle(conn, on_shutdown));
+                if let Err(e) = spawned {
+                    eprintln!("tine-agent: cannot start a connection thread: {e}");
+                }
+            }
+            Err(e) => {
+                // EMFILE and friends: back off rather than spin.
+                eprintln!("tine-agent: accept on {what}: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
         }
     }
 }

@@ -49,8 +49,8 @@ impl VsockListener {
         Ok(Self { fd })
     }
 
-    /// Accepts one connection, as a File (reads and writes are plain I/O).
-    pub fn accept(&self) -> io::Result<File> {
+    /// Accepts one connection.
+    pub fn accept(&self) -> io::Result<VsockStream> {
         use std::os::fd::AsRawFd;
         loop {
             // SAFETY: accept4 on our listening socket; peer address not wanted.
@@ -64,12 +64,50 @@ impl VsockListener {
             };
             if raw >= 0 {
                 // SAFETY: `raw` is a fresh connected socket fd that we now own.
-                return Ok(unsafe { File::from_raw_fd(raw) });
+                return Ok(VsockStream(unsafe { File::from_raw_fd(raw) }));
             }
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {
                 return Err(e);
             }
         }
+    }
+}
+
+/// A connected vsock stream socket (reads and writes are plain fd I/O).
+pub struct VsockStream(File);
+
+impl io::Read for VsockStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl io::Write for VsockStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl protocol::Connection for VsockStream {
+    fn try_clone(&self) -> io::Result<Self> {
+        Ok(Self(self.0.try_clone()?))
+    }
+
+    fn shutdown(&self, how: std::net::Shutdown) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let how = match how {
+            std::net::Shutdown::Read => libc::SHUT_RD,
+            std::net::Shutdown::Write => libc::SHUT_WR,
+            std::net::Shutdown::Both => libc::SHUT_RDWR,
+        };
+        // SAFETY: shutdown(2) on the socket fd this value owns.
+        if unsafe { libc::shutdown(self.0.as_raw_fd(), how) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }
