@@ -65,6 +65,7 @@ _start:
     lidt idt_ptr(%rip)
     movw $TSS_SEL, %ax
     ltr %ax
+    clts                        /* CR0.TS off: SSE must not trap */
     movq %cr4, %rax
     orl $0x600, %eax            /* OSFXSR | OSXMMEXCPT: SSE at CPL3 */
     andl $~0x300000, %eax       /* no SMEP/SMAP: all pages are user pages */
