@@ -3,6 +3,7 @@
 //! * `touch <MiB> [seed]` writes the region, replies `TOUCHED <MiB> SUM <hex16>`
 //! * `sum <MiB>` replies `SUM <hex16>` without writing
 //! * `ping` replies `PONG`
+//! * `reset` asks the i8042 to reset the CPU (the VMM then exits cleanly)
 //! * anything else replies `ERR <reason>`
 //!
 //! The region starts at 16 MiB. Pattern: the u64 at physical address `a`
@@ -67,6 +68,8 @@ fn command(line: &[u8]) {
     }
     match cmd {
         b"ping" if arg1.is_none() => rt::puts(b"PONG\n"),
+        // 0xfe on the i8042 command port pulses the CPU reset line.
+        b"reset" if arg1.is_none() => rt::outb(0x64, 0xfe),
         b"touch" => {
             let Some(mib) = arg1.and_then(rt::parse_u64) else {
                 return err(b"usage: touch <MiB> [seed]");
@@ -100,7 +103,7 @@ fn command(line: &[u8]) {
             rt::put_hex16(checksum(end));
             rt::puts(b"\n");
         }
-        _ => err(b"unknown command (touch <MiB> [seed] | sum <MiB> | ping)"),
+        _ => err(b"unknown command (touch <MiB> [seed] | sum <MiB> | ping | reset)"),
     }
 }
 

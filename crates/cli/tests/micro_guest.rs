@@ -82,6 +82,10 @@ fn test_memtouch_dirties_and_checksums_on_request() {
     vm.expect_line("READY", Duration::from_secs(5));
     vm.send("touch 16 7\n");
     let (_, touched) = vm.expect_line("TOUCHED 16 SUM ", Duration::from_secs(10));
+    // The pattern and checksum are documented (guests/README.md): recompute
+    // them here so the test checks the guest's memory, not just consistency.
+    let want = format!("TOUCHED 16 SUM {:016x}", memtouch_sum(16, 7));
+    assert_eq!(touched, want);
     vm.send("sum 16\n");
     let (_, sum) = vm.expect_line("SUM ", Duration::from_secs(10));
     assert_eq!(
@@ -130,4 +134,19 @@ fn test_counter_boots_with_memory_split_around_the_mmio_gap() {
     vm.expect_line("READY", Duration::from_secs(5));
     vm.expect_line("WROTE 32", Duration::from_secs(5));
     vm.expect_line("CNT ", Duration::from_secs(2));
+}
+
+/// memtouch's checksum after `touch MIB SEED`: the u64 at address `a` is
+/// `(a ^ seed) * 0x9e3779b97f4a7c15`, hashed with 64-bit FNV-1a from 16 MiB up.
+fn memtouch_sum(mib: u64, seed: u64) -> u64 {
+    let base = 16u64 << 20;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut a = base;
+    while a < base + (mib << 20) {
+        for b in ((a ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        a += 8;
+    }
+    h
 }
