@@ -88,7 +88,7 @@ fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
     let mut threads = Vec::new();
     for l in listens {
         let t = match l {
-            Listen::Vsock(port) => match vsock::VsockListener::bind(port) {
+            Listen::Vsock(port) => match bind_vsock(port) {
                 Ok(lst) => {
                     eprintln!("tine-agent: listening on vsock port {port}");
                     std::thread::spawn(move || {
@@ -97,7 +97,7 @@ fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
                 }
                 Err(e) => return bind_failed(&format!("vsock port {port}"), &e),
             },
-            Listen::Unix(path) => match std::os::unix::net::UnixListener::bind(&path) {
+            Listen::Unix(path) => match bind_unix(&path) {
                 Ok(lst) => {
                     eprintln!("tine-agent: listening on {path}");
                     std::thread::spawn(move || {
@@ -122,6 +122,33 @@ fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
         let _ = t.join();
     }
     ExitCode::FAILURE
+}
+
+/// Binds the vsock port, retrying for a few seconds in case the transport
+/// is still coming up.
+fn bind_vsock(port: u32) -> std::io::Result<vsock::VsockListener> {
+    let mut tries = 0;
+    loop {
+        match vsock::VsockListener::bind(port) {
+            Ok(l) => return Ok(l),
+            Err(e) if tries >= 50 => return Err(e),
+            Err(_) => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// Binds a Unix socket, replacing a stale socket file left at `path`.
+fn bind_unix(path: &str) -> std::io::Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if meta.file_type().is_socket() && std::os::unix::net::UnixStream::connect(path).is_err() {
+            std::fs::remove_file(path)?;
+        }
+    }
+    std::os::unix::net::UnixListener::bind(path)
 }
 
 fn bind_failed(what: &str, e: &std::io::Error) -> ExitCode {

@@ -117,6 +117,10 @@ fn serve<C: Connection>(conn: &mut C, on_shutdown: OnShutdown) -> Result<(), Pro
         Message::WriteFile { path, mode } => write_file(conn, Path::new(&path), mode),
         Message::Shutdown => {
             send(conn, Message::ShuttingDown)?;
+            // Give the reply time to leave the guest before it powers off:
+            // wait (briefly) for the host to close its end.
+            let _ = conn.shutdown(Shutdown::Write);
+            wait_for_close(conn, Duration::from_secs(1));
             shutdown(on_shutdown);
             Ok(())
         }
@@ -151,6 +155,18 @@ fn uptime_ms() -> u64 {
         .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
         .map(|secs| (secs * 1000.0) as u64)
         .unwrap_or(0)
+}
+
+/// Waits until the peer closes the connection, at most `limit`.
+fn wait_for_close<C: Connection>(conn: &C, limit: Duration) {
+    let Ok(mut r) = conn.try_clone() else { return };
+    let (tx, rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while let Ok(1..) = r.read(&mut buf) {}
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(limit);
 }
 
 fn shutdown(on_shutdown: OnShutdown) {

@@ -74,6 +74,11 @@ impl Agent {
         s
     }
 
+    fn child_kill(&mut self) -> io::Result<()> {
+        self.child.kill()?;
+        self.child.wait().map(drop)
+    }
+
     fn alive(&mut self) -> bool {
         self.child.try_wait().expect("try_wait").is_none()
     }
@@ -451,7 +456,7 @@ fn test_concurrent_execs() {
             .map(|i| {
                 let a = &a;
                 sc.spawn(move || {
-                    let script = format!("sleep 0.5; echo job-{i}; exit {i}");
+                    let script = format!("sleep 1; echo job-{i}; exit {i}");
                     let (e, out, _) = a.exec(ExecRequest::new(["sh", "-c", &script]), None);
                     assert_eq!(e.code, Some(i));
                     assert_eq!(String::from_utf8_lossy(&out), format!("job-{i}\n"));
@@ -527,12 +532,48 @@ fn test_dropped_connection_kills_command() {
 #[test]
 fn test_shutdown_exits_when_told() {
     let mut a = Agent::start();
-    protocol::shutdown(&mut a.conn()).expect("shutdown");
     let t = Instant::now();
+    protocol::shutdown(a.conn()).expect("shutdown");
     while a.alive() {
         assert!(t.elapsed() < Duration::from_secs(5), "agent did not exit");
         std::thread::sleep(Duration::from_millis(10));
     }
+    // The closed connection let it go at once, without the grace period.
+    assert!(
+        t.elapsed() < Duration::from_millis(900),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn test_stale_socket_is_replaced() {
+    let mut a = Agent::start();
+    let sock = a.sock.clone();
+    a.child_kill().expect("kill");
+    // The socket file is still there; a new agent takes it over.
+    assert!(sock.exists());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tine-agent"))
+        .args(["serve", "--unix"])
+        .arg(&sock)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let t = Instant::now();
+    let ok = loop {
+        if let Ok(mut s) = UnixStream::connect(&sock) {
+            break protocol::hello(&mut s)
+                .and_then(|_| protocol::ping(&mut s))
+                .is_ok();
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(ok);
 }
 
 #[test]
