@@ -21,10 +21,13 @@
 //! - `Shutdown` → `ShuttingDown`, then the guest powers off.
 //!
 //! Any request may instead be answered by `Error`.
+//!
+//! The host side (connect through the VMM's vsock socket, then one call per
+//! request) is in [`client`]'s functions, re-exported here.
 
 use std::io::{self, Read, Write};
 
-mod client;
+pub mod client;
 pub use client::{
     connect_vsock_uds, exec, hello, hello_as, ping, read_file, shutdown, vsock_handshake,
     write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo, Pong,
