@@ -1,5 +1,6 @@
 //! The real agent binary, serving on a Unix socket on the host, driven by
-//! the real protocol client.
+//! the real protocol client. `TINE_AGENT_BIN` runs them against another
+//! build (e.g. the static one from scripts/build-agent).
 
 use std::io::{self, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -12,6 +13,12 @@ use std::time::{Duration, Instant};
 use protocol::{
     read_frame, send, ClientError, ErrorKind, ExecRequest, Frame, Message, PROTOCOL_VERSION,
 };
+
+fn agent_bin() -> PathBuf {
+    std::env::var_os("TINE_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tine-agent")))
+}
 
 /// A temporary directory removed on drop.
 struct TempDir(PathBuf);
@@ -47,7 +54,7 @@ impl Agent {
     fn start() -> Self {
         let dir = TempDir::new();
         let sock = dir.0.join("agent.sock");
-        let child = Command::new(env!("CARGO_BIN_EXE_tine-agent"))
+        let child = Command::new(agent_bin())
             .arg("serve")
             .arg("--unix")
             .arg(&sock)
@@ -553,7 +560,7 @@ fn test_stale_socket_is_replaced() {
     a.child_kill().expect("kill");
     // The socket file is still there; a new agent takes it over.
     assert!(sock.exists());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tine-agent"))
+    let mut child = Command::new(agent_bin())
         .args(["serve", "--unix"])
         .arg(&sock)
         .stdin(Stdio::null())
@@ -600,4 +607,53 @@ fn test_write_file_is_atomic_rename() {
     assert_eq!(std::fs::read(&path).expect("read"), b"old");
     protocol::write_file(&mut a.conn(), p, 0o600, &b"new"[..]).expect("write_file");
     assert_eq!(std::fs::read(&path).expect("read"), b"new");
+}
+
+#[test]
+fn test_stdin_not_read_does_not_hang() {
+    let a = Agent::start();
+    let t = Instant::now();
+    let (e, out, _) = a.exec(ExecRequest::new(["true"]), Some(pattern(4 << 20)));
+    assert_eq!((e.code, out.len()), (Some(0), 0));
+    let (e, out, _) = a.exec(
+        ExecRequest::new(["head", "-c", "10"]),
+        Some(pattern(4 << 20)),
+    );
+    assert_eq!((e.code, out.len()), (Some(0), 10));
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn test_tcp_listener() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = Command::new(agent_bin())
+        .args(["serve", "--tcp", &addr])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let t = Instant::now();
+    let result = loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+            break protocol::hello(&mut s).and_then(|_| {
+                protocol::exec(
+                    &mut s,
+                    ExecRequest::new(["echo", "over tcp"]),
+                    None::<io::Empty>,
+                    Vec::new(),
+                    io::sink(),
+                )
+            });
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            break Err(ClientError::Unexpected("agent did not listen".into()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(result.expect("exec").code, Some(0));
 }
