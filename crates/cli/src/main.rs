@@ -1,7 +1,9 @@
 //! `tine`: the command line. Each verb is a thin layer over the library crates.
 
 mod agent_client;
+mod exec_cmds;
 mod image_cmd;
+mod machine;
 mod size;
 mod state;
 mod vm_cmds;
@@ -23,6 +25,10 @@ struct Cli {
 enum Command {
     /// Start a vm in the background; returns when its agent answers.
     Run(vm_cmds::RunArgs),
+    /// Run a command in a vm (stdin, stdout, stderr and exit code pass through).
+    Exec(exec_cmds::ExecArgs),
+    /// Copy a file into or out of a vm: `tine cp FILE NAME:/path`, `tine cp NAME:/path FILE` (`-` for stdin/stdout).
+    Cp { src: String, dst: String },
     /// List vms: name, state, pid, memory, uptime.
     Ls {
         /// Machine-readable output.
@@ -57,6 +63,9 @@ enum Command {
     /// Guest images.
     #[command(subcommand)]
     Image(image_cmd::ImageCommand),
+    /// The nested host that runs vms where there is no hardware virtualization.
+    #[command(subcommand)]
+    Machine(machine::MachineCommand),
 }
 
 fn main() -> ExitCode {
@@ -71,6 +80,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Vmm(args) => vmm_cmd::run(args),
         Command::Run(args) => home().and_then(|h| vm_cmds::run(&h, args)),
+        Command::Exec(args) => home().and_then(|h| exec_cmds::exec(&h, args)),
+        Command::Cp { src, dst } => home().and_then(|h| exec_cmds::cp(&h, &src, &dst)),
         Command::Ls { json } => home().and_then(|h| vm_cmds::ls(&vm_cmds::ls_rows(&h)?, json)),
         Command::Console { name, follow } => {
             home().and_then(|h| vm_cmds::console(&h, &name, follow))
@@ -80,6 +91,7 @@ fn main() -> ExitCode {
         Command::Kill { name } => home().and_then(|h| vm_cmds::kill(&h, &name)),
         Command::Rm { name, force } => home().and_then(|h| vm_cmds::rm(&h, &name, force)),
         Command::Image(cmd) => image_cmd::run(cmd),
+        Command::Machine(cmd) => home().and_then(|h| machine::run(&h, cmd)),
     };
     match result {
         Ok(code) => code,
