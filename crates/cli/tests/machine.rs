@@ -1,0 +1,244 @@
+//! `tine machine`: the long-lived nested host, started for real (QEMU-TCG
+//! with kvm_amd inside), used across CLI calls, made stale, and stopped.
+//! One test, so the machine boots only twice (start, and after it is killed).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn tine(home: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tine"));
+    c.env("TINE_HOME", home).env_remove("TINE_MACHINE");
+    c
+}
+
+fn run(home: &Path, args: &[&str]) -> Output {
+    tine(home).args(args).output().expect("run tine")
+}
+
+fn ok(home: &Path, args: &[&str]) -> String {
+    let out = run(home, args);
+    assert!(
+        out.status.success(),
+        "tine {args:?}: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn status(home: &Path) -> serde_json::Value {
+    serde_json::from_str(&ok(home, &["machine", "status", "--json"])).expect("status json")
+}
+
+/// Alive and not a zombie.
+fn alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rfind(')')
+                .and_then(|i| s[i + 1..].trim_start().chars().next())
+        })
+        .is_some_and(|st| st != 'Z' && st != 'X')
+}
+
+fn build_agent() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new(root.join("scripts/build-agent"))
+        .current_dir(&root)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run scripts/build-agent");
+    assert!(out.status.success(), "scripts/build-agent failed");
+    let path = String::from_utf8_lossy(&out.stdout);
+    PathBuf::from(path.lines().last().expect("agent path").trim())
+}
+
+/// Stops the machine even when an assertion fails.
+struct Machine(PathBuf);
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        let _ = run(&self.0, &["machine", "stop"]);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn pid(st: &serde_json::Value, key: &str) -> u64 {
+    st[key].as_u64().unwrap_or_else(|| panic!("{key} in {st}"))
+}
+
+#[test]
+fn machine_start_exec_stale_stop() {
+    let agent = build_agent();
+    std::env::set_var("TINE_AGENT", &agent);
+    let home = std::env::temp_dir().join(format!("tine-machine-test-{}", std::process::id()));
+    std::fs::create_dir_all(&home).expect("home");
+    let machine = Machine(home.clone());
+    let home = machine.0.as_path();
+    // Reuse the downloaded nested-host kernel and initramfs.
+    let user_home = std::env::var_os("TINE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tine")));
+    if let Some(cached) = user_home.map(|h| h.join("testhost")).filter(|p| p.is_dir()) {
+        std::os::unix::fs::symlink(cached, home.join("testhost")).expect("link testhost cache");
+    }
+
+    assert_eq!(status(home)["state"], "stopped");
+
+    // Start, and start again (idempotent).
+    let t = Instant::now();
+    ok(home, &["machine", "start"]);
+    let start_time = t.elapsed();
+    let st = status(home);
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["agent_answers"], true, "{st}");
+    let qemu = pid(&st, "qemu_pid");
+    let vfsd = pid(&st, "virtiofsd_pid");
+    assert!(alive(qemu) && alive(vfsd));
+    ok(home, &["machine", "start"]);
+    assert_eq!(
+        pid(&status(home), "qemu_pid"),
+        qemu,
+        "a second start must reuse the machine"
+    );
+
+    // Inside: a real /dev/kvm with nested paging, the machine-local home.
+    let out = ok(
+        home,
+        &[
+            "machine",
+            "exec",
+            "--no-stdin",
+            "--",
+            "sh",
+            "-c",
+            "cat /sys/module/kvm_amd/parameters/npt; test -c /dev/kvm && echo kvm; echo $TINE_HOME; pwd",
+        ],
+    );
+    let cwd = std::env::current_dir().expect("cwd");
+    assert_eq!(out, format!("Y\nkvm\n/var/lib/tine\n{}\n", cwd.display()));
+
+    // stdout and stderr apart; exit codes and death by signal pass through.
+    let out = run(
+        home,
+        &[
+            "machine",
+            "exec",
+            "--no-stdin",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 42",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(42));
+    assert_eq!(out.stdout, b"out\n");
+    assert_eq!(out.stderr, b"err\n");
+    let out = run(
+        home,
+        &[
+            "machine",
+            "exec",
+            "--no-stdin",
+            "--",
+            "sh",
+            "-c",
+            "kill -9 $$",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(128 + 9));
+    let out = run(home, &["machine", "exec", "--no-stdin", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0));
+
+    // A tine verb forwarded the way the CLI forwards them.
+    let out = ok(
+        home,
+        &["machine", "forward", "--no-stdin", "--", "--version"],
+    );
+    assert!(out.starts_with("tine "), "{out}");
+
+    // 1 MiB of stdin comes back byte-exact.
+    let input: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let mut child = tine(home)
+        .args(["machine", "exec", "--", "cat"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let data = input.clone();
+    let writer = std::thread::spawn(move || stdin.write_all(&data));
+    let out = child.wait_with_output().expect("wait");
+    writer.join().expect("writer").expect("write stdin");
+    assert!(out.status.success());
+    assert!(
+        out.stdout == input,
+        "1 MiB through cat came back different ({} bytes)",
+        out.stdout.len()
+    );
+
+    // Round trip of a forwarded `true`.
+    let mut times: Vec<Duration> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            ok(home, &["machine", "exec", "--no-stdin", "--", "true"]);
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    eprintln!(
+        "machine: start {:.2} s; exec `true` round trip median {:.0} ms",
+        start_time.as_secs_f64(),
+        times[2].as_secs_f64() * 1000.0
+    );
+
+    // Stale: QEMU killed behind tine's back; the next use restarts it, saying so once.
+    assert!(Command::new("kill")
+        .args(["-9", &qemu.to_string()])
+        .status()
+        .expect("kill")
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(qemu) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(status(home)["state"], "stale");
+    let out = run(
+        home,
+        &["machine", "exec", "--no-stdin", "--", "echo", "back"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout, b"back\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "one line about starting the machine: {err}"
+    );
+    assert!(err.contains("starting the nested test host"), "{err}");
+    let st = status(home);
+    assert_eq!(st["state"], "running");
+    let qemu2 = pid(&st, "qemu_pid");
+    let vfsd2 = pid(&st, "virtiofsd_pid");
+    assert_ne!(qemu2, qemu);
+    assert!(!alive(vfsd), "the stale machine's virtiofsd must be gone");
+
+    // Stop: nothing left running, no runtime state.
+    ok(home, &["machine", "stop"]);
+    assert_eq!(status(home)["state"], "stopped");
+    assert!(
+        !alive(qemu2) && !alive(vfsd2),
+        "qemu or virtiofsd left running"
+    );
+    assert!(!home.join("machine/run").exists());
+    assert!(!home.join("machine/state.json").exists());
+}
