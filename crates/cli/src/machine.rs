@@ -74,7 +74,6 @@ impl Policy {
     }
 }
 
-#[allow(dead_code)]
 /// kvm_intel or kvm_amd is loaded: Linux guests run directly on /dev/kvm.
 pub fn hardware_virtualization() -> bool {
     Path::new("/sys/module/kvm_intel").exists() || Path::new("/sys/module/kvm_amd").exists()
@@ -378,6 +377,10 @@ pub fn find_agent() -> anyhow::Result<PathBuf> {
 /// Starts the machine unless it runs; returns when its agent answers.
 pub fn start(home: &Path) -> anyhow::Result<MachineStatus> {
     let _lock = Lock::take(home)?;
+    start_locked(home)
+}
+
+fn start_locked(home: &Path) -> anyhow::Result<MachineStatus> {
     let st = status(home);
     match st.state {
         MachineState::Running if st.agent_answers => return Ok(st),
@@ -521,17 +524,28 @@ fn wait_agent(port: u16, limit: Duration) -> anyhow::Result<()> {
     }
 }
 
-/// Starts the machine if it does not run, saying so in one line on stderr.
+/// Starts the machine if it does not run, saying so in one line on stderr
+/// (once, even when several `tine` calls race to start it).
 pub fn ensure_started(home: &Path) -> anyhow::Result<()> {
-    if let Some(saved) = load(home) {
-        if alive(saved.qemu_pid, QEMU_COMM) && connect(saved.port, Some(PING_TIMEOUT)).is_ok() {
-            return Ok(());
-        }
+    let answers = |home: &Path| {
+        load(home).is_some_and(|saved| {
+            alive(saved.qemu_pid, QEMU_COMM) && connect(saved.port, Some(PING_TIMEOUT)).is_ok()
+        })
+    };
+    if answers(home) {
+        return Ok(());
     }
-    eprintln!(
-        "tine: no hardware virtualization here; starting the nested test host (tine machine start)..."
-    );
-    start(home).map(|_| ())
+    let _lock = Lock::take(home)?;
+    if answers(home) {
+        return Ok(());
+    }
+    let why = if hardware_virtualization() {
+        "TINE_MACHINE=always"
+    } else {
+        "no hardware virtualization here"
+    };
+    eprintln!("tine: {why}; starting the nested test host (tine machine start)...");
+    start_locked(home).map(|_| ())
 }
 
 /// Stops the machine: the agent's Shutdown, then QEMU is killed after a
