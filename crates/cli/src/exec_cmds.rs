@@ -36,6 +36,16 @@ pub struct ExecArgs {
     command: Vec<String>,
 }
 
+impl ExecArgs {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Whether this process's stdin goes to the command.
+    pub fn wants_stdin(&self) -> bool {
+        self.interactive || !std::io::stdin().is_terminal()
+    }
+}
+
 /// The running vm `name` with an agent, or a clear error.
 fn agent_vm(home: &Path, name: &str) -> anyhow::Result<VmDir> {
     let vm = VmDir::new(home, name);
@@ -53,6 +63,7 @@ fn agent_vm(home: &Path, name: &str) -> anyhow::Result<VmDir> {
 /// `tine exec NAME -- CMD...`: exit status passes through (128+N for a signal).
 pub fn exec(home: &Path, args: ExecArgs) -> anyhow::Result<ExitCode> {
     let vm = agent_vm(home, &args.name)?;
+    let wants_stdin = args.wants_stdin();
     let env = args
         .env
         .iter()
@@ -74,7 +85,7 @@ pub fn exec(home: &Path, args: ExecArgs) -> anyhow::Result<ExitCode> {
     };
     let mut conn = agent_client::connect(&vm.vsock(), CONNECT_TIMEOUT)
         .with_context(|| format!("cannot reach the agent of vm {:?}", args.name))?;
-    let stdin = (args.interactive || !std::io::stdin().is_terminal()).then(std::io::stdin);
+    let stdin = wants_stdin.then(std::io::stdin);
     let info = client::exec(&mut conn, req, stdin, std::io::stdout(), std::io::stderr())?;
     if info.timed_out {
         eprintln!("tine: command timed out and was killed");

@@ -200,7 +200,12 @@ pub fn run(home: &Path, cmd: MachineCommand) -> anyhow::Result<ExitCode> {
             let cwd = std::env::current_dir()
                 .ok()
                 .map(|d| d.display().to_string());
-            let code = exec_inside(home, &argv, &inside_env(&[]), cwd, !no_stdin)?;
+            let input: Option<Box<dyn io::Read + Send>> = if no_stdin {
+                None
+            } else {
+                Some(Box::new(io::stdin()))
+            };
+            let code = exec_inside(home, &argv, &inside_env(&[]), cwd, input, &mut io::stdout())?;
             return Ok(exit_code(code));
         }
         MachineCommand::Forward { no_stdin, args } => {
@@ -351,15 +356,23 @@ impl Drop for Lock {
     }
 }
 
-/// The agent binary for the machine: `$TINE_AGENT`, else `tine-agent` next
-/// to this `tine`.
-pub fn find_agent() -> anyhow::Result<PathBuf> {
+/// The agent binary for the machine: `$TINE_AGENT`, else the copy kept with
+/// the minimal image, else `tine-agent` next to this `tine`.
+pub fn find_agent(home: &Path) -> anyhow::Result<PathBuf> {
     if let Some(a) = std::env::var_os("TINE_AGENT").filter(|a| !a.is_empty()) {
         let a = PathBuf::from(a);
         if !a.is_file() {
             bail!("TINE_AGENT={} is not a file", a.display());
         }
         return Ok(fs::canonicalize(&a)?);
+    }
+    // `tine image build --agent` keeps a copy next to the image.
+    if let Some(a) = image::open(home, image::IMAGE_NAME)
+        .ok()
+        .and_then(|img| img.agent)
+        .filter(|a| a.is_file())
+    {
+        return Ok(a);
     }
     let exe = std::env::current_exe().context("finding this tine binary")?;
     if let Some(a) = exe
@@ -370,7 +383,7 @@ pub fn find_agent() -> anyhow::Result<PathBuf> {
         return Ok(a);
     }
     bail!(
-        "no tine-agent for the machine: build it with scripts/build-agent and set TINE_AGENT to the path it prints"
+        "no tine-agent for the machine: run `tine image build --agent \"$(scripts/build-agent)\"`, or set TINE_AGENT"
     )
 }
 
@@ -397,7 +410,7 @@ fn start_locked(home: &Path) -> anyhow::Result<MachineStatus> {
         MachineState::Stale => teardown(home)?,
         MachineState::Stopped => {}
     }
-    let agent = find_agent()?;
+    let agent = find_agent(home)?;
     let d = dir(home);
     let scripts = d.join("scripts");
     write_scripts(&scripts)?;
@@ -661,6 +674,23 @@ pub fn forward(
     env: &[(String, String)],
     stdin: bool,
 ) -> anyhow::Result<i32> {
+    let input: Option<Box<dyn io::Read + Send>> = if stdin {
+        Some(Box::new(io::stdin()))
+    } else {
+        None
+    };
+    forward_io(home, args, env, input, &mut io::stdout())
+}
+
+/// [`forward`] with the command's stdin and stdout given by the caller
+/// (`tine cp` streams files through them).
+pub fn forward_io(
+    home: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    stdin: Option<Box<dyn io::Read + Send>>,
+    stdout: &mut dyn io::Write,
+) -> anyhow::Result<i32> {
     ensure_started(home)?;
     let exe = std::env::current_exe().context("finding this tine binary")?;
     let mut argv = vec![exe.display().to_string()];
@@ -668,7 +698,7 @@ pub fn forward(
     let cwd = std::env::current_dir()
         .ok()
         .map(|d| d.display().to_string());
-    exec_inside(home, &argv, &inside_env(env), cwd, stdin)
+    exec_inside(home, &argv, &inside_env(env), cwd, stdin, stdout)
 }
 
 /// Runs ARGV inside the running machine through the agent's Exec.
@@ -677,7 +707,8 @@ pub fn exec_inside(
     argv: &[String],
     env: &[(String, String)],
     cwd: Option<String>,
-    stdin: bool,
+    stdin: Option<Box<dyn io::Read + Send>>,
+    stdout: &mut dyn io::Write,
 ) -> anyhow::Result<i32> {
     let saved = load(home).ok_or_else(|| anyhow!("the machine is not running"))?;
     let (mut s, _) = connect(saved.port, Some(PING_TIMEOUT))?;
@@ -690,8 +721,7 @@ pub fn exec_inside(
         cwd,
         timeout: None,
     };
-    let input = stdin.then(io::stdin);
-    let exit = protocol::exec(&mut s, req, input, io::stdout(), io::stderr())
+    let exit = protocol::exec(&mut s, req, stdin, stdout, io::stderr())
         .context("running the command inside the machine")?;
     if exit.timed_out {
         return Ok(124);

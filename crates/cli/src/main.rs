@@ -4,6 +4,7 @@ mod agent_client;
 mod exec_cmds;
 mod image_cmd;
 mod machine;
+mod routing;
 mod size;
 mod state;
 mod vm_cmds;
@@ -22,7 +23,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {
+pub enum Command {
     /// Start a vm in the background; returns when its agent answers.
     Run(vm_cmds::RunArgs),
     /// Run a command in a vm (stdin, stdout, stderr and exit code pass through).
@@ -77,12 +78,34 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let result = match cli.command {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let routed = home().map(|h| routing::through_machine(&h, &cli.command, &args));
+    let result = match routed {
+        Ok(Some(r)) => r,
+        Err(e) => Err(e),
+        Ok(None) => dispatch(cli.command),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tine: {}", chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs a verb on this host.
+fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
         Command::Vmm(args) => vmm_cmd::run(args),
         Command::Run(args) => home().and_then(|h| vm_cmds::run(&h, args)),
         Command::Exec(args) => home().and_then(|h| exec_cmds::exec(&h, args)),
         Command::Cp { src, dst } => home().and_then(|h| exec_cmds::cp(&h, &src, &dst)),
-        Command::Ls { json } => home().and_then(|h| vm_cmds::ls(&vm_cmds::ls_rows(&h)?, json)),
+        Command::Ls { json } => home().and_then(|h| {
+            let mut rows = vm_cmds::ls_rows(&h)?;
+            rows.extend(routing::machine_rows(&h)?);
+            vm_cmds::ls(&rows, json)
+        }),
         Command::Console { name, follow } => {
             home().and_then(|h| vm_cmds::console(&h, &name, follow))
         }
@@ -92,13 +115,6 @@ fn main() -> ExitCode {
         Command::Rm { name, force } => home().and_then(|h| vm_cmds::rm(&h, &name, force)),
         Command::Image(cmd) => image_cmd::run(cmd),
         Command::Machine(cmd) => home().and_then(|h| machine::run(&h, cmd)),
-    };
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("tine: {}", chain(&e));
-            ExitCode::FAILURE
-        }
     }
 }
 

@@ -46,6 +46,13 @@ pub struct RunArgs {
     timeout_secs: u64,
 }
 
+impl RunArgs {
+    /// A micro guest: runs on any /dev/kvm, has no agent.
+    pub fn is_micro(&self) -> bool {
+        self.kernel.is_some() || self.image.starts_with("micro-")
+    }
+}
+
 /// `tine run`: starts the VMM detached and waits for the agent.
 pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     state::validate_name(&args.name)?;
@@ -64,7 +71,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
             ),
         }
     }
-    let micro = args.kernel.is_none() && args.image.starts_with("micro-");
+    let micro = args.is_micro();
     let agent = !args.no_agent && !micro;
     // Leftovers of a vm that never wrote its record.
     let _ = std::fs::remove_dir_all(&vm.dir);
@@ -181,7 +188,7 @@ fn tap_name(name: &str) -> String {
 }
 
 /// One row of `tine ls`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, serde::Deserialize)]
 pub struct LsRow {
     pub name: String,
     pub state: VmState,

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 pub use initramfs::READY_MARKER;
 
 /// Bumped whenever the builder's output changes for the same inputs.
-pub const BUILDER_VERSION: u32 = 1;
+pub const BUILDER_VERSION: u32 = 2;
 /// The one image this builder makes.
 pub const IMAGE_NAME: &str = "minimal";
 /// What the image's /init needs on the kernel command line: the console
@@ -160,6 +160,10 @@ pub struct Image {
     pub modules: Vec<String>,
     /// Where the kernel came from (the .deb file name or the given path).
     pub kernel_source: String,
+    /// A copy of the guest agent in the initramfs (the nested test host runs
+    /// the same binary), when the image has one.
+    #[serde(default)]
+    pub agent: Option<PathBuf>,
 }
 
 impl Image {
@@ -172,6 +176,7 @@ impl Image {
         image.dir = dir.to_path_buf();
         image.kernel = dir.join(&image.kernel);
         image.initramfs = dir.join(&image.initramfs);
+        image.agent = image.agent.map(|a| dir.join(a));
         Ok(image)
     }
 }
@@ -454,7 +459,15 @@ fn assemble(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
+        agent: agent.map(|_| PathBuf::from("tine-agent")),
     };
+    if let Some(bytes) = agent {
+        let dest = out.join("tine-agent");
+        std::fs::write(&dest, bytes).map_err(|e| ImageError::io(&dest, e))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| ImageError::io(&dest, e))?;
+    }
     let manifest = out.join(MANIFEST);
     let json = serde_json::to_string_pretty(&image).map_err(|source| ImageError::Manifest {
         path: manifest.clone(),
