@@ -82,8 +82,16 @@ fn machine_start_exec_stale_stop() {
     let user_home = std::env::var_os("TINE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tine")));
-    if let Some(cached) = user_home.map(|h| h.join("testhost")).filter(|p| p.is_dir()) {
+    if let Some(cached) = user_home
+        .as_ref()
+        .map(|h| h.join("testhost"))
+        .filter(|p| p.is_dir())
+    {
         std::os::unix::fs::symlink(cached, home.join("testhost")).expect("link testhost cache");
+    }
+    // The minimal image (scripts/test builds it) for the routed verbs below.
+    if let Some(images) = user_home.map(|h| h.join("images")).filter(|p| p.is_dir()) {
+        std::os::unix::fs::symlink(images, home.join("images")).expect("link image cache");
     }
 
     assert_eq!(status(home)["state"], "stopped");
@@ -159,6 +167,64 @@ fn machine_start_exec_stale_stop() {
         &["machine", "forward", "--no-stdin", "--", "--version"],
     );
     assert!(out.starts_with("tine "), "{out}");
+
+    // The user's verbs route through the machine: a Linux vm runs inside,
+    // a micro guest here; `ls --json` shows both with the same fields.
+    ok(home, &["run", "--name", "inner", "--mem", "256M"]);
+    ok(
+        home,
+        &[
+            "run",
+            "--name",
+            "outer",
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+        ],
+    );
+    let uname = ok(home, &["exec", "inner", "--", "uname", "-r"]);
+    assert!(uname.trim().ends_with("cloud-amd64"), "{uname}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&ok(home, &["ls", "--json"])).expect("ls json");
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let keys = |r: &serde_json::Value| r.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>());
+    assert_eq!(
+        keys(&rows[0]),
+        keys(&rows[1]),
+        "identical --json rows here and in the machine"
+    );
+    assert!(rows.iter().all(|r| r["state"] == "running"), "{rows:?}");
+    assert!(
+        !home.join("vms/inner").exists(),
+        "the Linux vm lives in the machine"
+    );
+    assert!(home.join("vms/outer").exists(), "the micro guest runs here");
+    let dir = std::env::temp_dir().join(format!("tine-machine-cp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let payload: Vec<u8> = (0..3u32 << 20).map(|i| (i * 7 + (i >> 9)) as u8).collect();
+    std::fs::write(dir.join("in"), &payload).expect("write");
+    ok(
+        home,
+        &["cp", dir.join("in").to_str().expect("utf8"), "inner:/tmp/f"],
+    );
+    ok(
+        home,
+        &[
+            "cp",
+            "inner:/tmp/f",
+            dir.join("out").to_str().expect("utf8"),
+        ],
+    );
+    assert!(
+        std::fs::read(dir.join("out")).expect("read") == payload,
+        "cp through the machine"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    ok(home, &["stop", "inner"]);
+    ok(home, &["rm", "inner"]);
+    ok(home, &["rm", "--force", "outer"]);
+    assert_eq!(ok(home, &["ls", "--json"]).trim(), "[]");
 
     // 1 MiB of stdin comes back byte-exact.
     let input: Vec<u8> = (0..1u32 << 20)
