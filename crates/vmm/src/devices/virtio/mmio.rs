@@ -779,29 +779,39 @@ mod tests {
     use super::testing::*;
     use super::*;
     use crate::devices::virtio::queue::testing::TestQueue;
-    use crate::devices::virtio::VIRTIO_MMIO_INT_VRING;
+    use crate::devices::virtio::{DeviceBase, VIRTIO_MMIO_INT_VRING};
     use vm_memory::GuestAddress;
 
     const MEM_SIZE: usize = 0x40_0000;
     const FEATURE_X: u64 = 1 << 3;
 
-    #[derive(Default)]
     struct Dummy {
+        base: DeviceBase,
         acked: u64,
         activated: Option<Vec<QueueState>>,
         evts: Vec<EventFd>,
         resettable: bool,
     }
 
+    impl Default for Dummy {
+        fn default() -> Self {
+            let features = (1 << VIRTIO_F_VERSION_1) | FEATURE_X;
+            Self {
+                base: DeviceBase::new("dummy", 42, features, &[256, 16], &[]).expect("base"),
+                acked: 0,
+                activated: None,
+                evts: Vec::new(),
+                resettable: false,
+            }
+        }
+    }
+
     impl VirtioDevice for Dummy {
-        fn device_type(&self) -> u32 {
-            42
+        fn base(&self) -> &DeviceBase {
+            &self.base
         }
-        fn queue_max_sizes(&self) -> &[u16] {
-            &[256, 16]
-        }
-        fn avail_features(&self) -> u64 {
-            (1 << VIRTIO_F_VERSION_1) | FEATURE_X
+        fn base_mut(&mut self) -> &mut DeviceBase {
+            &mut self.base
         }
         fn set_acked_features(&mut self, features: u64) {
             self.acked = features;

@@ -16,6 +16,7 @@
 //! activate `EventFd` it subscribed at init) and starts serving queues.
 
 pub mod block;
+pub mod device_common;
 pub mod mmio;
 pub mod net;
 pub mod queue;
@@ -25,6 +26,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
+
+pub use device_common::DeviceBase;
 
 use crate::memory::GuestMemoryMmap;
 
@@ -87,20 +90,40 @@ pub enum ActivateError {
     Device(String),
 }
 
-/// What every virtio device offers its transport.
+/// What every virtio device offers its transport. The bookkeeping all
+/// devices share lives in their [`DeviceBase`]; the provided methods read it.
 pub trait VirtioDevice: Send {
+    /// The device's shared bookkeeping.
+    fn base(&self) -> &DeviceBase;
+    /// The device's shared bookkeeping, mutably.
+    fn base_mut(&mut self) -> &mut DeviceBase;
     /// virtio device type (1 = net, 2 = block, 19 = vsock).
-    fn device_type(&self) -> u32;
+    fn device_type(&self) -> u32 {
+        self.base().device_type()
+    }
     /// Maximum size of each queue; the length is the number of queues.
-    fn queue_max_sizes(&self) -> &[u16];
+    fn queue_max_sizes(&self) -> &[u16] {
+        self.base().queue_max_sizes()
+    }
     /// Feature bits the device offers (VIRTIO_F_VERSION_1 included).
-    fn avail_features(&self) -> u64;
+    fn avail_features(&self) -> u64 {
+        self.base().avail_features()
+    }
     /// Records the features the driver accepted (a subset of `avail_features`).
-    fn set_acked_features(&mut self, features: u64);
+    fn set_acked_features(&mut self, features: u64) {
+        self.base_mut().set_acked_features(features);
+    }
     /// Reads the device configuration space.
-    fn read_config(&self, offset: u64, data: &mut [u8]);
-    /// Writes the device configuration space (most devices ignore it).
-    fn write_config(&mut self, offset: u64, data: &[u8]);
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        self.base().read_config(offset, data);
+    }
+    /// Writes the device configuration space. No device here offers a
+    /// writable field, so a write is a guest mistake.
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        self.base_mut().warn(format_args!(
+            "write to read-only config space at {offset:#x} ignored"
+        ));
+    }
     /// Starts the device with the queues the driver configured.
     fn activate(
         &mut self,

@@ -12,12 +12,13 @@ use virtio_bindings::virtio_blk::{
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_queue::{Queue, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::request::{self, Disk};
 use super::{QUEUE_SIZE, SECTOR_SIZE};
-use crate::devices::virtio::queue::{read_config_space, ChainBuffers, GuestWarnings};
-use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VIRTIO_MMIO_INT_VRING};
+use crate::devices::virtio::device_common::{signal_used, ActiveQueues, DeviceBase};
+use crate::devices::virtio::queue::ChainBuffers;
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
 
 /// How to build a [`Block`] device.
@@ -64,25 +65,12 @@ pub enum BlockError {
     },
 }
 
-/// What the device holds once the driver started it.
-struct Active {
-    mem: GuestMemoryMmap,
-    interrupt: Arc<Interrupt>,
-    queue: Queue,
-    queue_evt: EventFd,
-}
-
 /// A virtio-blk device backed by a raw image file.
 pub struct Block {
     config: BlockConfig,
     disk: Disk,
-    avail_features: u64,
-    acked_features: u64,
-    config_space: [u8; 24],
-    queue_max_sizes: [u16; 1],
-    pub(super) activate_evt: EventFd,
-    active: Option<Active>,
-    warnings: GuestWarnings,
+    pub(super) base: DeviceBase,
+    active: Option<ActiveQueues<1>>,
 }
 
 impl std::fmt::Debug for Block {
@@ -159,6 +147,14 @@ impl Block {
         config_space[12..16].copy_from_slice(&seg_max.to_le_bytes());
         config_space[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes());
 
+        let base = DeviceBase::new(
+            "virtio-blk",
+            VIRTIO_ID_BLOCK,
+            avail_features,
+            &[QUEUE_SIZE],
+            &config_space,
+        )
+        .map_err(BlockError::EventFd)?;
         Ok(Self {
             disk: Disk {
                 file,
@@ -168,13 +164,8 @@ impl Block {
                 buf: Vec::new(),
             },
             config,
-            avail_features,
-            acked_features: 0,
-            config_space,
-            queue_max_sizes: [QUEUE_SIZE],
-            activate_evt: EventFd::new(EFD_NONBLOCK).map_err(BlockError::EventFd)?,
+            base,
             active: None,
-            warnings: GuestWarnings::default(),
         })
     }
 
@@ -190,12 +181,12 @@ impl Block {
 
     /// Features the driver accepted.
     pub fn acked_features(&self) -> u64 {
-        self.acked_features
+        self.base.acked_features()
     }
 
     /// The queue's notification eventfd, once activated.
     pub(super) fn queue_evt(&self) -> Option<&EventFd> {
-        self.active.as_ref().map(|a| &a.queue_evt)
+        self.active.as_ref().map(|a| &a.queue_evts[0])
     }
 
     /// Serves every available request; raises the interrupt if the driver
@@ -205,59 +196,37 @@ impl Block {
             return;
         };
         let mem = &active.mem;
+        let queue = &mut active.queues[0];
         let mut used_any = false;
-        while let Some(chain) = active.queue.pop_descriptor_chain(mem) {
+        while let Some(chain) = queue.pop_descriptor_chain(mem) {
             let head = chain.head_index();
             let len = match ChainBuffers::parse(chain) {
-                Ok(bufs) => request::execute(&mut self.disk, mem, &bufs, &mut self.warnings),
+                Ok(bufs) => request::execute(&mut self.disk, mem, &bufs, &mut self.base.warnings),
                 Err(e) => {
-                    self.warnings.warn("virtio-blk", format_args!("{e}"));
+                    self.base.warn(format_args!("{e}"));
                     0
                 }
             };
-            if let Err(e) = active.queue.add_used(mem, head, len) {
-                self.warnings.warn(
-                    "virtio-blk",
-                    format_args!("cannot return request {head}: {e}"),
-                );
+            if let Err(e) = queue.add_used(mem, head, len) {
+                self.base
+                    .warn(format_args!("cannot return request {head}: {e}"));
                 break;
             }
             used_any = true;
         }
-        if used_any && active.queue.needs_notification(mem).unwrap_or(true) {
-            if let Err(e) = active.interrupt.trigger(VIRTIO_MMIO_INT_VRING) {
-                tracing::error!("virtio-blk: cannot raise interrupt: {e}");
-            }
+        if used_any {
+            signal_used(queue, mem, &active.interrupt, self.base.name());
         }
     }
 }
 
 impl VirtioDevice for Block {
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_BLOCK
+    fn base(&self) -> &DeviceBase {
+        &self.base
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.queue_max_sizes
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.avail_features
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features;
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_space(&self.config_space, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        self.warnings.warn(
-            "virtio-blk",
-            format_args!("write to read-only config space at {offset:#x} ignored"),
-        );
+    fn base_mut(&mut self) -> &mut DeviceBase {
+        &mut self.base
     }
 
     fn activate(
@@ -265,31 +234,13 @@ impl VirtioDevice for Block {
         mem: GuestMemoryMmap,
         interrupt: Arc<Interrupt>,
         queues: Vec<Queue>,
-        mut queue_evts: Vec<EventFd>,
+        queue_evts: Vec<EventFd>,
     ) -> Result<(), ActivateError> {
         if self.active.is_some() {
             return Err(ActivateError::Device("already activated".into()));
         }
-        if queues.len() != 1 || queue_evts.len() != 1 {
-            return Err(ActivateError::QueueCount {
-                got: queues.len(),
-                want: 1,
-            });
-        }
-        let queue = queues
-            .into_iter()
-            .next()
-            .ok_or(ActivateError::QueueCount { got: 0, want: 1 })?;
-        let queue_evt = queue_evts
-            .pop()
-            .ok_or(ActivateError::QueueCount { got: 0, want: 1 })?;
-        self.active = Some(Active {
-            mem,
-            interrupt,
-            queue,
-            queue_evt,
-        });
-        self.activate_evt.write(1).map_err(ActivateError::Signal)
+        self.active = Some(ActiveQueues::new(mem, interrupt, queues, queue_evts)?);
+        self.base.signal_activation()
     }
 
     fn is_activated(&self) -> bool {
@@ -313,6 +264,7 @@ mod tests {
     use crate::devices::virtio::mmio::testing::{linux_probe, wr};
     use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
     use crate::devices::virtio::queue::testing::{TestQueue, F_WRITE};
+    use crate::devices::virtio::VIRTIO_MMIO_INT_VRING;
 
     type Em = EventManager<Arc<std::sync::Mutex<dyn MutEventSubscriber + Send>>>;
 

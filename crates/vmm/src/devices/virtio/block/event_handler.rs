@@ -1,39 +1,22 @@
 //! How the block device reacts to events on the device thread.
 
-use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use event_manager::{EventOps, Events, MutEventSubscriber};
 
 use super::Block;
+use crate::devices::virtio::device_common::ACTIVATE_EVENT;
 
-const ACTIVATE: u32 = 0;
 const QUEUE: u32 = 1;
 
 impl MutEventSubscriber for Block {
     fn init(&mut self, ops: &mut EventOps) {
-        if let Err(e) = ops.add(Events::with_data(
-            &self.activate_evt,
-            ACTIVATE,
-            EventSet::IN,
-        )) {
-            tracing::error!("virtio-blk: cannot register activation event: {e}");
-        }
+        self.base.register_activation(ops);
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         match events.data() {
-            ACTIVATE => {
-                let _ = self.activate_evt.read();
-                if let Err(e) = ops.remove(Events::with_data(
-                    &self.activate_evt,
-                    ACTIVATE,
-                    EventSet::IN,
-                )) {
-                    tracing::error!("virtio-blk: cannot unregister activation event: {e}");
-                }
-                if let Some(evt) = self.queue_evt() {
-                    if let Err(e) = ops.add(Events::with_data(evt, QUEUE, EventSet::IN)) {
-                        tracing::error!("virtio-blk: cannot register queue event: {e}");
-                    }
-                }
+            ACTIVATE_EVENT => {
+                let queue_evt = self.queue_evt().map(|evt| (evt, QUEUE));
+                self.base.on_activate(ops, queue_evt);
                 // Requests the driver queued before we were listening.
                 self.process_queue();
             }

@@ -7,12 +7,13 @@ use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP};
 use virtio_queue::{Queue, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::tap::{Tap, TapError};
 use super::{MAX_BUFFER_LEN, QUEUE_SIZE, VNET_HDR_LEN};
-use crate::devices::virtio::queue::{read_config_space, ChainBuffers, GuestWarnings};
-use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VIRTIO_MMIO_INT_VRING};
+use crate::devices::virtio::device_common::{signal_used, ActiveQueues, DeviceBase};
+use crate::devices::virtio::queue::ChainBuffers;
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
 
 const DEV: &str = "virtio-net";
@@ -37,14 +38,6 @@ pub enum NetError {
     /// The tap cannot be opened.
     #[error(transparent)]
     Tap(#[from] TapError),
-}
-
-/// What the device holds once the driver started it.
-struct Active {
-    mem: GuestMemoryMmap,
-    interrupt: Arc<Interrupt>,
-    queues: [Queue; 2],
-    queue_evts: [EventFd; 2],
 }
 
 /// Frame counters (monotonic).
@@ -74,12 +67,8 @@ pub(super) enum Rx {
 pub struct Net {
     config: NetConfig,
     pub(super) tap: Tap,
-    avail_features: u64,
-    acked_features: u64,
-    config_space: [u8; 8],
-    queue_max_sizes: [u16; 2],
-    pub(super) activate_evt: EventFd,
-    active: Option<Active>,
+    pub(super) base: DeviceBase,
+    active: Option<ActiveQueues<2>>,
     /// A frame read from the tap (header included), waiting for a buffer.
     rx_frame: Vec<u8>,
     rx_pending: usize,
@@ -90,7 +79,6 @@ pub struct Net {
     /// The tap reported an error or hang-up: it is never polled again.
     pub(super) tap_failed: bool,
     counters: NetCounters,
-    warnings: GuestWarnings,
 }
 
 impl std::fmt::Debug for Net {
@@ -114,14 +102,18 @@ impl Net {
         let mut config_space = [0u8; 8];
         config_space[..6].copy_from_slice(&config.mac);
         config_space[6..8].copy_from_slice(&(VIRTIO_NET_S_LINK_UP as u16).to_le_bytes());
+        let base = DeviceBase::new(
+            DEV,
+            VIRTIO_ID_NET,
+            avail_features,
+            &[QUEUE_SIZE; 2],
+            &config_space,
+        )
+        .map_err(NetError::EventFd)?;
         Ok(Self {
             config,
             tap,
-            avail_features,
-            acked_features: 0,
-            config_space,
-            queue_max_sizes: [QUEUE_SIZE; 2],
-            activate_evt: EventFd::new(EFD_NONBLOCK).map_err(NetError::EventFd)?,
+            base,
             active: None,
             rx_frame: vec![0; MAX_BUFFER_LEN],
             rx_pending: 0,
@@ -129,7 +121,6 @@ impl Net {
             tap_registered: false,
             tap_failed: false,
             counters: NetCounters::default(),
-            warnings: GuestWarnings::default(),
         })
     }
 
@@ -140,7 +131,7 @@ impl Net {
 
     /// Features the driver accepted.
     pub fn acked_features(&self) -> u64 {
-        self.acked_features
+        self.base.acked_features()
     }
 
     /// Frame counters.
@@ -196,23 +187,21 @@ impl Net {
                     match bufs.write_at(mem, 0, frame) {
                         Ok(n) if n == frame.len() => n,
                         _ => {
-                            self.warnings
-                                .warn(DEV, format_args!("rx buffer {head} outside guest memory"));
+                            self.base
+                                .warn(format_args!("rx buffer {head} outside guest memory"));
                             0
                         }
                     }
                 }
                 Ok(bufs) => {
                     let (have, need) = (bufs.writable_len(), frame.len());
-                    self.warnings.warn(
-                        DEV,
-                        format_args!("rx buffer {head} holds {have} bytes, frame needs {need}"),
-                    );
+                    self.base.warn(format_args!(
+                        "rx buffer {head} holds {have} bytes, frame needs {need}"
+                    ));
                     0
                 }
                 Err(e) => {
-                    self.warnings
-                        .warn(DEV, format_args!("rx buffer {head}: {e}"));
+                    self.base.warn(format_args!("rx buffer {head}: {e}"));
                     0
                 }
             };
@@ -225,13 +214,13 @@ impl Net {
             used_any = true;
             // `written` fits: it is at most MAX_BUFFER_LEN.
             if let Err(e) = queue.add_used(mem, head, written as u32) {
-                self.warnings
-                    .warn(DEV, format_args!("cannot return rx buffer {head}: {e}"));
+                self.base
+                    .warn(format_args!("cannot return rx buffer {head}: {e}"));
                 break Rx::NoBuffers;
             }
         };
         if used_any {
-            notify(queue, mem, &active.interrupt);
+            signal_used(queue, mem, &active.interrupt, DEV);
         }
         outcome
     }
@@ -250,8 +239,8 @@ impl Net {
                 Ok(bufs) => {
                     let len = bufs.readable_len();
                     if len <= VNET_HDR_LEN || len > MAX_BUFFER_LEN {
-                        self.warnings
-                            .warn(DEV, format_args!("tx frame {head} of {len} bytes dropped"));
+                        self.base
+                            .warn(format_args!("tx frame {head} of {len} bytes dropped"));
                         self.counters.tx_dropped += 1;
                     } else {
                         self.tx_frame.resize(len, 0);
@@ -265,78 +254,45 @@ impl Net {
                                     Err(e) => {
                                         // Like a NIC with a full ring: drop.
                                         if e.kind() != io::ErrorKind::WouldBlock {
-                                            self.warnings
-                                                .warn(DEV, format_args!("writing tap: {e}"));
+                                            self.base.warn(format_args!("writing tap: {e}"));
                                         }
                                         self.counters.tx_dropped += 1;
                                     }
                                 }
                             }
                             _ => {
-                                self.warnings.warn(
-                                    DEV,
-                                    format_args!("tx frame {head} outside guest memory"),
-                                );
+                                self.base
+                                    .warn(format_args!("tx frame {head} outside guest memory"));
                                 self.counters.tx_dropped += 1;
                             }
                         }
                     }
                 }
                 Err(e) => {
-                    self.warnings
-                        .warn(DEV, format_args!("tx frame {head}: {e}"));
+                    self.base.warn(format_args!("tx frame {head}: {e}"));
                     self.counters.tx_dropped += 1;
                 }
             }
             used_any = true;
             if let Err(e) = queue.add_used(mem, head, 0) {
-                self.warnings
-                    .warn(DEV, format_args!("cannot return tx buffer {head}: {e}"));
+                self.base
+                    .warn(format_args!("cannot return tx buffer {head}: {e}"));
                 break;
             }
         }
         if used_any {
-            notify(queue, mem, &active.interrupt);
-        }
-    }
-}
-
-fn notify(queue: &mut Queue, mem: &GuestMemoryMmap, interrupt: &Interrupt) {
-    if queue.needs_notification(mem).unwrap_or(true) {
-        if let Err(e) = interrupt.trigger(VIRTIO_MMIO_INT_VRING) {
-            tracing::error!("{DEV}: cannot raise interrupt: {e}");
+            signal_used(queue, mem, &active.interrupt, DEV);
         }
     }
 }
 
 impl VirtioDevice for Net {
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_NET
+    fn base(&self) -> &DeviceBase {
+        &self.base
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.queue_max_sizes
-    }
-
-    fn avail_features(&self) -> u64 {
-        self.avail_features
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features;
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_space(&self.config_space, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        // The MAC is writable only with VIRTIO_NET_F_CTRL_MAC_ADDR's legacy
-        // path, which we do not offer.
-        self.warnings.warn(
-            DEV,
-            format_args!("write to read-only config space at {offset:#x} ignored"),
-        );
+    fn base_mut(&mut self) -> &mut DeviceBase {
+        &mut self.base
     }
 
     fn activate(
@@ -349,21 +305,8 @@ impl VirtioDevice for Net {
         if self.active.is_some() {
             return Err(ActivateError::Device("already activated".into()));
         }
-        let got = queues.len();
-        let queues: [Queue; 2] = queues
-            .try_into()
-            .map_err(|_| ActivateError::QueueCount { got, want: 2 })?;
-        let got = queue_evts.len();
-        let queue_evts: [EventFd; 2] = queue_evts
-            .try_into()
-            .map_err(|_| ActivateError::QueueCount { got, want: 2 })?;
-        self.active = Some(Active {
-            mem,
-            interrupt,
-            queues,
-            queue_evts,
-        });
-        self.activate_evt.write(1).map_err(ActivateError::Signal)
+        self.active = Some(ActiveQueues::new(mem, interrupt, queues, queue_evts)?);
+        self.base.signal_activation()
     }
 
     fn is_activated(&self) -> bool {
@@ -386,6 +329,7 @@ mod tests {
     use crate::devices::virtio::mmio::testing::{linux_probe, wr};
     use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
     use crate::devices::virtio::queue::testing::{TestQueue, F_WRITE};
+    use crate::devices::virtio::VIRTIO_MMIO_INT_VRING;
 
     type Em = EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>;
 

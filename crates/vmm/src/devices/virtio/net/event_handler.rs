@@ -10,8 +10,8 @@ use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 
 use super::device::Rx;
 use super::Net;
+use crate::devices::virtio::device_common::ACTIVATE_EVENT;
 
-const ACTIVATE: u32 = 0;
 const RX_QUEUE: u32 = 1;
 const TX_QUEUE: u32 = 2;
 const TAP: u32 = 3;
@@ -44,33 +44,16 @@ impl Net {
 
 impl MutEventSubscriber for Net {
     fn init(&mut self, ops: &mut EventOps) {
-        if let Err(e) = ops.add(Events::with_data(
-            &self.activate_evt,
-            ACTIVATE,
-            EventSet::IN,
-        )) {
-            tracing::error!("virtio-net: cannot register activation event: {e}");
-        }
+        self.base.register_activation(ops);
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         match events.data() {
-            ACTIVATE => {
-                let _ = self.activate_evt.read();
-                if let Err(e) = ops.remove(Events::with_data(
-                    &self.activate_evt,
-                    ACTIVATE,
-                    EventSet::IN,
-                )) {
-                    tracing::error!("virtio-net: cannot unregister activation event: {e}");
-                }
-                for (index, data) in [(0, RX_QUEUE), (1, TX_QUEUE)] {
-                    if let Some(evt) = self.queue_evt(index) {
-                        if let Err(e) = ops.add(Events::with_data(evt, data, EventSet::IN)) {
-                            tracing::error!("virtio-net: cannot register queue event: {e}");
-                        }
-                    }
-                }
+            ACTIVATE_EVENT => {
+                let queue_evts = [(0, RX_QUEUE), (1, TX_QUEUE)]
+                    .into_iter()
+                    .filter_map(|(index, data)| Some((self.queue_evt(index)?, data)));
+                self.base.on_activate(ops, queue_evts);
                 self.set_tap_polled(ops, true);
                 self.process_tx();
                 self.rx(ops);

@@ -11,12 +11,13 @@ use tracing::warn;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
 use virtio_queue::{Queue, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::{read_tx_packet, PacketError, RxBuffer};
 use super::unix::VsockMuxer;
 use super::{VsockConfig, VsockError};
-use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VIRTIO_MMIO_INT_VRING};
+use crate::devices::virtio::device_common::{raise_vring, ActiveQueues, DeviceBase};
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
 use crate::memory::GuestMemoryMmap;
 
 /// Number of queues: rx, tx, event.
@@ -30,25 +31,16 @@ pub const TXQ: usize = 1;
 /// Index of the event queue.
 pub const EVQ: usize = 2;
 
-const QUEUE_SIZES: [u16; NUM_QUEUES] = [QUEUE_SIZE; NUM_QUEUES];
+const DEV: &str = "vsock";
 /// Upper bound of tx/rx rounds per event, a guard against livelock.
 const MAX_ROUNDS: usize = 64;
-
-/// What the device holds once the driver activated it.
-pub(super) struct ActiveState {
-    pub(super) mem: GuestMemoryMmap,
-    pub(super) interrupt: Arc<Interrupt>,
-    pub(super) queues: Vec<Queue>,
-    pub(super) queue_evts: Vec<EventFd>,
-}
 
 /// A virtio-vsock device (type 19) bridging guest streams to Unix sockets.
 pub struct Vsock {
     cid: u64,
-    acked_features: u64,
-    pub(super) activate_evt: EventFd,
+    pub(super) base: DeviceBase,
     pub(super) muxer: VsockMuxer,
-    pub(super) active: Option<ActiveState>,
+    pub(super) active: Option<ActiveQueues<NUM_QUEUES>>,
     pub(super) queue_evts_registered: bool,
     tx_stalled: bool,
     uds_path: PathBuf,
@@ -75,11 +67,18 @@ impl Vsock {
         let uds_id = std::fs::metadata(&uds_path)
             .map(|m| (m.dev(), m.ino()))
             .unwrap_or((0, 0));
-        let activate_evt = EventFd::new(EFD_NONBLOCK).map_err(VsockError::EventFd)?;
+        // Config space: guest_cid (le64).
+        let base = DeviceBase::new(
+            DEV,
+            VIRTIO_ID_VSOCK,
+            1u64 << VIRTIO_F_VERSION_1,
+            &[QUEUE_SIZE; NUM_QUEUES],
+            &guest_cid.to_le_bytes(),
+        )
+        .map_err(VsockError::EventFd)?;
         Ok(Self {
             cid: guest_cid,
-            acked_features: 0,
-            activate_evt,
+            base,
             muxer: VsockMuxer::new(guest_cid, uds_path.clone(), listener),
             active: None,
             queue_evts_registered: false,
@@ -106,7 +105,7 @@ impl Vsock {
 
     /// Features the driver accepted.
     pub fn acked_features(&self) -> u64 {
-        self.acked_features
+        self.base.acked_features()
     }
 
     /// Moves packets between the queues and the muxer until nothing more
@@ -128,10 +127,9 @@ impl Vsock {
             }
         }
         if used {
+            // One interrupt covers every queue this round used.
             if let Some(active) = &self.active {
-                if let Err(e) = active.interrupt.trigger(VIRTIO_MMIO_INT_VRING) {
-                    warn!("vsock: cannot interrupt the guest: {e}");
-                }
+                raise_vring(&active.interrupt, DEV);
             }
         }
     }
@@ -139,7 +137,7 @@ impl Vsock {
     /// Fills guest rx buffers with pending packets. Returns whether any
     /// buffer was used.
     fn process_rx(&mut self, ops: &mut EventOps) -> bool {
-        let Some(ActiveState { mem, queues, .. }) = self.active.as_mut() else {
+        let Some(ActiveQueues { mem, queues, .. }) = self.active.as_mut() else {
             return false;
         };
         let queue = &mut queues[RXQ];
@@ -176,7 +174,7 @@ impl Vsock {
 
     /// Consumes guest tx packets. Returns whether any buffer was used.
     fn process_tx(&mut self, ops: &mut EventOps) -> bool {
-        let Some(ActiveState { mem, queues, .. }) = self.active.as_mut() else {
+        let Some(ActiveQueues { mem, queues, .. }) = self.active.as_mut() else {
             return false;
         };
         let queue = &mut queues[TXQ];
@@ -256,39 +254,12 @@ fn bind_listener(path: &Path) -> Result<UnixListener, VsockError> {
 }
 
 impl VirtioDevice for Vsock {
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_VSOCK
+    fn base(&self) -> &DeviceBase {
+        &self.base
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &QUEUE_SIZES
-    }
-
-    fn avail_features(&self) -> u64 {
-        1u64 << VIRTIO_F_VERSION_1
-    }
-
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features & self.avail_features();
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        // Config space: guest_cid (le64). Reads beyond it return zeroes.
-        let config = self.cid.to_le_bytes();
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| config.get(at).copied())
-                .unwrap_or(0);
-        }
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        warn!(
-            "vsock: guest wrote {} bytes of read-only config at {offset:#x}",
-            data.len()
-        );
+    fn base_mut(&mut self) -> &mut DeviceBase {
+        &mut self.base
     }
 
     fn activate(
@@ -298,22 +269,13 @@ impl VirtioDevice for Vsock {
         queues: Vec<Queue>,
         queue_evts: Vec<EventFd>,
     ) -> Result<(), ActivateError> {
-        if queues.len() != NUM_QUEUES || queue_evts.len() != NUM_QUEUES {
-            return Err(ActivateError::QueueCount {
-                got: queues.len().min(queue_evts.len()),
-                want: NUM_QUEUES,
-            });
-        }
+        // Queue count first: a wrong count is reported even when active.
+        let active = ActiveQueues::new(mem, interrupt, queues, queue_evts)?;
         if self.active.is_some() {
             return Err(ActivateError::Device("vsock is already active".into()));
         }
-        self.active = Some(ActiveState {
-            mem,
-            interrupt,
-            queues,
-            queue_evts,
-        });
-        self.activate_evt.write(1).map_err(ActivateError::Signal)
+        self.active = Some(active);
+        self.base.signal_activation()
     }
 
     fn is_activated(&self) -> bool {

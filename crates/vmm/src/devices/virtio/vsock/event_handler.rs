@@ -9,8 +9,8 @@ use tracing::warn;
 
 use super::device::{Vsock, EVQ, RXQ, TXQ};
 use super::unix::EVENT_CONN;
+use crate::devices::virtio::device_common::ACTIVATE_EVENT;
 
-const EVENT_ACTIVATE: u32 = 0;
 const EVENT_RXQ: u32 = 1;
 const EVENT_TXQ: u32 = 2;
 const EVENT_EVQ: u32 = 3;
@@ -46,13 +46,7 @@ impl Vsock {
 
 impl MutEventSubscriber for Vsock {
     fn init(&mut self, ops: &mut EventOps) {
-        if let Err(e) = ops.add(Events::with_data(
-            &self.activate_evt,
-            EVENT_ACTIVATE,
-            EventSet::IN,
-        )) {
-            warn!("vsock: cannot poll the activate event: {e:?}");
-        }
+        self.base.register_activation(ops);
         if let Err(e) = ops.add(Events::with_data(
             self.muxer.listener(),
             EVENT_LISTENER,
@@ -67,8 +61,10 @@ impl MutEventSubscriber for Vsock {
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         match events.data() {
-            EVENT_ACTIVATE => {
-                let _ = self.activate_evt.read();
+            ACTIVATE_EVENT => {
+                // Queue events go through `register_queue_evts`: `init` may
+                // have added them already (a device subscribed after activation).
+                self.base.on_activate(ops, []);
                 self.register_queue_evts(ops);
                 self.run_queues(ops, true);
             }
