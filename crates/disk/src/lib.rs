@@ -207,6 +207,14 @@ pub(crate) fn probe(
         .read_at(&mut head, 0)
         .map_err(io_err(path, "read header"))?;
     let is_qcow2 = n == 4 && head == QCOW2_MAGIC;
+    if n < 4 && n > 0 && head[..n] == QCOW2_MAGIC[..n] {
+        // A qcow2 image cut inside its magic; a raw disk of 1..3 bytes is not plausible.
+        return Err(DiskError::Truncated {
+            path: path.into(),
+            len,
+            need: 72,
+        });
+    }
     let format = match format {
         Some(f) => f,
         None if is_qcow2 => Format::Qcow2,
@@ -266,6 +274,22 @@ pub(crate) fn probe(
     let backing_offset = be64(&h, 8);
     let backing_size = u64::from(be32(&h, 16));
     let virtual_size = be64(&h, 24);
+    // Tables the header points at must lie inside the file, or the image was cut short.
+    let cluster_bits = be32(&h, 20);
+    if !(9..=21).contains(&cluster_bits) {
+        return Err(corrupt(format!(
+            "cluster_bits {cluster_bits} out of range 9..=21"
+        )));
+    }
+    let l1_end = be64(&h, 40).saturating_add(u64::from(be32(&h, 36)) * 8);
+    let rt_end = be64(&h, 48).saturating_add(u64::from(be32(&h, 56)) << cluster_bits);
+    if l1_end > len || rt_end > len {
+        return Err(DiskError::Truncated {
+            path: path.into(),
+            len,
+            need: l1_end.max(rt_end),
+        });
+    }
     if header_len > len {
         return Err(DiskError::Truncated {
             path: path.into(),
