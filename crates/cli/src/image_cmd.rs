@@ -5,26 +5,51 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Args, Subcommand};
+use clap::{Args, Subcommand, ValueEnum};
 
 /// Micro guests that `--image` knows by name (built into this binary).
 pub const MICRO_IMAGES: &[&str] = &["micro-counter", "micro-memtouch"];
 
 #[derive(Subcommand, Debug)]
 pub enum ImageCommand {
-    /// Build (or find in the cache) the minimal Linux guest image.
+    /// Build (or find in the cache) a Linux guest image: `minimal` (kernel +
+    /// busybox initramfs) or `debian` (Debian bookworm on an ext4 root disk,
+    /// made with debootstrap; needs root, takes minutes the first time).
     Build(BuildArgs),
+}
+
+/// The images `tine image build` makes.
+#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Kind {
+    /// Kernel + busybox initramfs.
+    #[default]
+    Minimal,
+    /// Debian bookworm (python3, curl, iproute2, ca-certificates, fio) on an ext4 disk.
+    Debian,
+}
+
+impl From<Kind> for image::ImageKind {
+    fn from(k: Kind) -> Self {
+        match k {
+            Kind::Minimal => image::ImageKind::Minimal,
+            Kind::Debian => image::ImageKind::Debian,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
 pub struct BuildArgs {
+    /// Which image.
+    #[arg(value_enum, default_value_t = Kind::Minimal)]
+    kind: Kind,
     /// Use this kernel (ELF vmlinux or bzImage) instead of Debian's linux-image-cloud-amd64.
     #[arg(long)]
     kernel: Option<PathBuf>,
     /// Ask apt again and rebuild even when a cached image matches.
     #[arg(long)]
     force: bool,
-    /// Guest agent to install as /bin/tine-agent (a static binary; see scripts/build-agent).
+    /// Guest agent (a static binary; see scripts/build-agent), installed as
+    /// /bin/tine-agent (minimal) or /usr/local/bin/tine-agent (debian).
     #[arg(long, env = "TINE_AGENT")]
     agent: Option<PathBuf>,
     /// Print the image manifest as JSON.
@@ -45,7 +70,7 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
     opts.force = args.force;
     opts.agent = args.agent;
     let started = std::time::Instant::now();
-    let img = image::build(&opts)?;
+    let img = image::build_kind(args.kind.into(), &opts)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&img)?);
     } else {
@@ -58,6 +83,13 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
             img.initramfs.display(),
             img.cmdline
         );
+        if let Some(rootfs) = &img.rootfs {
+            println!(
+                "  rootfs    {} ({} MiB, attach as the first virtio-blk disk)",
+                rootfs.display(),
+                img.rootfs_size.unwrap_or(0) >> 20
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -68,9 +100,13 @@ pub struct Resolved {
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
     pub cmdline: String,
+    /// The image's root disk (debian), to attach as the first virtio-blk
+    /// device (/dev/vda, which its cmdline mounts as root).
+    #[allow(dead_code)] // for `--image debian` in vm_cmds (integrator)
+    pub rootfs: Option<PathBuf>,
 }
 
-/// Resolves an image name (`minimal`, `micro-counter`, `micro-memtouch`) or
+/// Resolves an image name (`minimal`, `debian`, `micro-counter`, `micro-memtouch`) or
 /// an image directory (one that holds a manifest).
 pub fn resolve(name: &str) -> anyhow::Result<Resolved> {
     let home = image::default_home()?;
@@ -86,6 +122,7 @@ pub fn resolve(name: &str) -> anyhow::Result<Resolved> {
             kernel,
             initrd: None,
             cmdline: String::new(),
+            rootfs: None,
         });
     }
     let dir = Path::new(name);
@@ -98,6 +135,7 @@ pub fn resolve(name: &str) -> anyhow::Result<Resolved> {
         kernel: img.kernel,
         initrd: Some(img.initramfs),
         cmdline: img.cmdline,
+        rootfs: img.rootfs,
     })
 }
 

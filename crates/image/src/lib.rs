@@ -8,6 +8,7 @@
 //! (or busybox) package, or on `force`.
 
 mod deb;
+pub mod debian;
 mod elf;
 pub mod initramfs;
 pub mod modules;
@@ -17,11 +18,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+pub use debian::DEBIAN_IMAGE_NAME;
 pub use initramfs::READY_MARKER;
 
 /// Bumped whenever the builder's output changes for the same inputs.
 pub const BUILDER_VERSION: u32 = 2;
-/// The one image this builder makes.
+/// The minimal image (initramfs only).
 pub const IMAGE_NAME: &str = "minimal";
 /// What the image's /init needs on the kernel command line: the console
 /// (where the ready marker and the shell go), plus reboot via the keyboard
@@ -164,6 +166,41 @@ pub struct Image {
     /// the same binary), when the image has one.
     #[serde(default)]
     pub agent: Option<PathBuf>,
+    /// The root filesystem (raw ext4) to attach as the first virtio-blk
+    /// disk (/dev/vda), for images that boot from disk ("debian").
+    #[serde(default)]
+    pub rootfs: Option<PathBuf>,
+    /// Size of `rootfs` in bytes (its apparent size; the file is sparse).
+    #[serde(default)]
+    pub rootfs_size: Option<u64>,
+}
+
+/// The images `tine image build` makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImageKind {
+    /// Kernel + busybox initramfs.
+    #[default]
+    Minimal,
+    /// Debian bookworm on an ext4 root disk (see [`debian`]).
+    Debian,
+}
+
+impl ImageKind {
+    /// The image's name (its directory prefix under `<home>/images/`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ImageKind::Minimal => IMAGE_NAME,
+            ImageKind::Debian => DEBIAN_IMAGE_NAME,
+        }
+    }
+}
+
+/// Builds the image of `kind` (see [`build`] and [`build_debian`]).
+pub fn build_kind(kind: ImageKind, opts: &BuildOptions) -> Result<Image, ImageError> {
+    match kind {
+        ImageKind::Minimal => build(opts),
+        ImageKind::Debian => build_debian(opts),
+    }
 }
 
 impl Image {
@@ -177,6 +214,7 @@ impl Image {
         image.kernel = dir.join(&image.kernel);
         image.initramfs = dir.join(&image.initramfs);
         image.agent = image.agent.map(|a| dir.join(a));
+        image.rootfs = image.rootfs.map(|r| dir.join(r));
         Ok(image)
     }
 }
@@ -254,20 +292,8 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
     let kernel = kernel_source(opts, &debs)?;
     let busybox = busybox_source(opts, &debs)?;
     let init = initramfs::init_script();
-    let agent = match &opts.agent {
-        Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| ImageError::io(path, e))?;
-            if !elf::is_static_executable(&bytes) {
-                return Err(ImageError::AgentNotStatic(path.clone()));
-            }
-            Some(bytes)
-        }
-        None => None,
-    };
-    let module_list: &[&str] = match kernel {
-        Source::File(_) => &[],
-        Source::Deb(_) => modules::GUEST_MODULES,
-    };
+    let agent = read_agent(opts)?;
+    let module_list = module_list(&kernel);
 
     let inputs = format!(
         "builder={BUILDER_VERSION}\nkernel={}\nbusybox={}\ninit={}\nmodules={}\ncmdline={DEFAULT_CMDLINE}\nagent={}\n",
@@ -295,21 +321,175 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
         BUILDS.fetch_add(1, Ordering::Relaxed)
     ));
     std::fs::remove_dir_all(&scratch).ok();
+    let parts = Parts {
+        name: IMAGE_NAME,
+        init: &init,
+        cmdline: DEFAULT_CMDLINE,
+        agent_in_initramfs: true,
+    };
     let result = assemble(
         &scratch,
         &kernel,
         &busybox,
-        &init,
+        &parts,
         module_list,
         agent.as_deref(),
         &hash,
     )
+    .and_then(|image| write_manifest(&scratch.join("out"), &image))
     .and_then(|()| publish(&scratch.join("out"), &dir, opts.force));
     std::fs::remove_dir_all(&scratch).ok();
     result?;
     let image = Image::load(&dir)?;
     tracing::info!("image {IMAGE_NAME} {hash} built: {}", dir.display());
     Ok(image)
+}
+
+fn read_agent(opts: &BuildOptions) -> Result<Option<Vec<u8>>, ImageError> {
+    match &opts.agent {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| ImageError::io(path, e))?;
+            if !elf::is_static_executable(&bytes) {
+                return Err(ImageError::AgentNotStatic(path.clone()));
+            }
+            Ok(Some(bytes))
+        }
+        None => Ok(None),
+    }
+}
+
+fn module_list(kernel: &Source) -> &'static [&'static str] {
+    match kernel {
+        Source::File(_) => &[],
+        Source::Deb(_) => modules::GUEST_MODULES,
+    }
+}
+
+/// Whether `tool` is an executable in $PATH (or in /usr/sbin, /sbin).
+fn have_tool(tool: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .any(|d| d.join(tool).is_file())
+}
+
+/// Builds the "debian" image (see [`debian`]): the minimal image's kernel
+/// and modules with an initramfs that mounts root=/dev/vda, and a Debian
+/// root filesystem in `debian.ext4`, or returns the cached one with the same
+/// inputs. The agent, when given, is installed as /usr/local/bin/tine-agent
+/// and started at boot. Runs debootstrap (as root; takes minutes).
+pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
+    use debian::{Recipe, DEBIAN_IMAGE_NAME as NAME};
+    for (tool, package) in [("debootstrap", "debootstrap"), ("mkfs.ext4", "e2fsprogs")] {
+        if !have_tool(tool) {
+            return Err(ImageError::ToolMissing {
+                tool: tool.into(),
+                hint: format!("install it with `apt-get install {package}`"),
+            });
+        }
+    }
+    let debs = opts.home.join("cache").join("debs");
+    let kernel = kernel_source(opts, &debs)?;
+    let busybox = busybox_source(opts, &debs)?;
+    let agent = read_agent(opts)?;
+    let modules = module_list(&kernel);
+    let mirror = debian::apt_mirror(Path::new("/etc/apt"), debian::DEBIAN_SUITE)
+        .unwrap_or_else(|| debian::DEFAULT_MIRROR.to_string());
+    let mut recipe = Recipe::new(&mirror);
+    recipe.kernel_hash = hash_file(kernel.path())?;
+    recipe.busybox_hash = hash_file(busybox.path())?;
+    recipe.agent_hash = agent
+        .as_deref()
+        .map(|a| blake3::hash(a).to_hex().to_string())
+        .unwrap_or_default();
+    recipe.modules = modules.iter().map(|m| m.to_string()).collect();
+    let hash = debian::cache_key(&recipe);
+    let images = opts.home.join("images");
+    let dir = images.join(format!("{NAME}-{hash}"));
+    if !opts.force {
+        if let Ok(image) = Image::load(&dir) {
+            tracing::info!("image {NAME} {hash} is up to date: {}", dir.display());
+            return Ok(image);
+        }
+    }
+
+    tracing::info!("building image {NAME} {hash}");
+    static BUILDS: AtomicU64 = AtomicU64::new(0);
+    let scratch = images.join(format!(
+        ".build-{NAME}-{hash}-{}-{}",
+        std::process::id(),
+        BUILDS.fetch_add(1, Ordering::Relaxed)
+    ));
+    if debian::unmount_under(&scratch) {
+        std::fs::remove_dir_all(&scratch).ok();
+    }
+    let init = debian::root_init_script();
+    let cmdline = debian::cmdline();
+    let parts = Parts {
+        name: NAME,
+        init: &init,
+        cmdline: &cmdline,
+        agent_in_initramfs: false,
+    };
+    let out = scratch.join("out");
+    let result = (|| {
+        let mut image = assemble(
+            &scratch,
+            &kernel,
+            &busybox,
+            &parts,
+            modules,
+            agent.as_deref(),
+            &hash,
+        )?;
+        let root = scratch.join("root");
+        debian::debootstrap(&recipe, &root, &opts.home.join("cache").join("debootstrap"))?;
+        let busybox_bytes = read_busybox(&busybox, &scratch.join("busybox-rootfs"))?;
+        debian::customize(&root, &busybox_bytes, agent.as_deref())?;
+        if !debian::unmount_under(&root) {
+            return Err(ImageError::Command {
+                command: "umount".into(),
+                detail: format!("something stays mounted under {}", root.display()),
+                hint: "unmount it by hand".into(),
+            });
+        }
+        let size = debian::make_ext4(&root, &out.join(debian::ROOTFS_FILE))?;
+        image.rootfs = Some(debian::ROOTFS_FILE.into());
+        image.rootfs_size = Some(size);
+        write_manifest(&out, &image)?;
+        publish(&out, &dir, opts.force)
+    })();
+    // Never delete through a mount debootstrap left behind.
+    if debian::unmount_under(&scratch) {
+        std::fs::remove_dir_all(&scratch).ok();
+    } else {
+        tracing::warn!(
+            "left {} in place: something is mounted under it",
+            scratch.display()
+        );
+    }
+    result?;
+    let image = Image::load(&dir)?;
+    tracing::info!("image {NAME} {hash} built: {}", dir.display());
+    Ok(image)
+}
+
+/// What distinguishes one image kind's kernel + initramfs from another's.
+struct Parts<'a> {
+    name: &'a str,
+    init: &'a str,
+    cmdline: &'a str,
+    /// Put the agent into the initramfs (as /bin/tine-agent).
+    agent_in_initramfs: bool,
+}
+
+fn write_manifest(out: &Path, image: &Image) -> Result<(), ImageError> {
+    let manifest = out.join(MANIFEST);
+    let json = serde_json::to_string_pretty(image).map_err(|source| ImageError::Manifest {
+        path: manifest.clone(),
+        source,
+    })?;
+    std::fs::write(&manifest, json + "\n").map_err(|e| ImageError::io(&manifest, e))
 }
 
 /// Moves a finished image directory into place (atomically, by rename).
@@ -401,11 +581,11 @@ fn assemble(
     scratch: &Path,
     kernel: &Source,
     busybox: &Source,
-    init: &str,
+    parts: &Parts,
     module_list: &[&str],
     agent: Option<&[u8]>,
     hash: &str,
-) -> Result<(), ImageError> {
+) -> Result<Image, ImageError> {
     let out = scratch.join("out");
     std::fs::create_dir_all(&out).map_err(|e| ImageError::io(&out, e))?;
 
@@ -440,17 +620,17 @@ fn assemble(
         &out.join("initramfs.cpio"),
         &busybox_bytes,
         &mods,
-        init,
-        agent,
+        parts.init,
+        agent.filter(|_| parts.agent_in_initramfs),
     )?;
 
     let image = Image {
-        name: IMAGE_NAME.into(),
+        name: parts.name.into(),
         dir: PathBuf::new(),
         kernel: kernel_name.into(),
         kernel_kind: kind,
         initramfs: "initramfs.cpio".into(),
-        cmdline: DEFAULT_CMDLINE.into(),
+        cmdline: parts.cmdline.into(),
         kernel_version: version,
         hash: hash.into(),
         modules: mods.iter().map(|m| m.name.clone()).collect(),
@@ -460,6 +640,8 @@ fn assemble(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
         agent: agent.map(|_| PathBuf::from("tine-agent")),
+        rootfs: None,
+        rootfs_size: None,
     };
     if let Some(bytes) = agent {
         let dest = out.join("tine-agent");
@@ -468,12 +650,7 @@ fn assemble(
         std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| ImageError::io(&dest, e))?;
     }
-    let manifest = out.join(MANIFEST);
-    let json = serde_json::to_string_pretty(&image).map_err(|source| ImageError::Manifest {
-        path: manifest.clone(),
-        source,
-    })?;
-    std::fs::write(&manifest, json + "\n").map_err(|e| ImageError::io(&manifest, e))
+    Ok(image)
 }
 
 /// The static busybox binary from `source`, unpacking a package into `scratch`.
