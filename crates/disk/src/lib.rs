@@ -21,12 +21,12 @@
 //!   only then open the top writable and hand each opened layer to the one above it
 //!   explicitly (`Qcow2OpenBuilder::backing`), with `DenyImplicitOpenGate` so imago itself
 //!   opens nothing we did not check.
-//! - **Creating an empty overlay** ([`create_overlay`]). imago can create qcow2 images, but
-//!   its creation path opens the new image through its full driver and flushes it (see the
-//!   numbers in the crate README); an empty overlay is four small, fixed structures (header
-//!   with backing name and format, one refcount-table entry, one refcount block, a zero L1
-//!   table) that we write directly in one file with a few `pwrite`s, well under the 1 ms per
-//!   overlay that a fork needs.
+//! - **Creating an empty overlay** ([`create_overlay`]). imago's `Qcow2::create_builder`
+//!   works, but it opens the new image through its full driver and flushes it: median 0.28 ms,
+//!   worst 4.9 ms per overlay in release, 1.7 ms median in debug. An empty overlay is four
+//!   small fixed structures (header with backing name and format, one refcount-table entry,
+//!   one refcount block, a zero L1 table) that we write directly with three `pwrite`s:
+//!   0.02-0.05 ms, under the 1 ms per overlay a fork needs with a wide margin.
 //! - **Read-only guarantees and locking.** Root ignores `chmod a-w`, so a writable open checks
 //!   the mode bits itself and refuses frozen layers (an in-process registry too), and every
 //!   open layer carries an advisory `flock` (exclusive on a writable top, shared below), so

@@ -1,9 +1,12 @@
 //! Creating an empty qcow2 overlay by hand.
 //!
-//! Why not imago's `Qcow2::create_builder`: it creates the file, then opens the new image
-//! through its full driver (allocator, caches) and flushes it, which costs more than our
-//! budget of 1 ms per overlay for a fork of N branches (measured in `examples/bench.rs`). An empty
-//! overlay is a fixed layout that QEMU itself writes for `qemu-img create -b`:
+//! Why not imago's `Qcow2::create_builder`: it does create valid overlays (`qemu-img check`
+//! accepts them), but it opens the new image through its full driver (allocator, caches)
+//! and flushes it. Measured here (100 overlays on a 20 GiB qcow2, median / max): imago
+//! 0.28 / 4.9 ms in release and 1.7 / 11 ms in a debug build; this writer 0.02-0.05 / 0.1 ms
+//! in either. A fork creates N overlays under a 1 ms-per-overlay budget, so we write the
+//! fixed layout ourselves; `qemu-img check` on what we write is part of the tests.
+//! An empty overlay is the same fixed layout QEMU writes for `qemu-img create -b`:
 //!
 //! ```text
 //! cluster 0  header (v3, 104 bytes), backing-format extension, end extension, backing name
