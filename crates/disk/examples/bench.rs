@@ -22,14 +22,14 @@ const BS: u64 = 4096;
 
 struct Rng(u64);
 impl Rng {
-    fn next(&mut self) -> u64 {
+    fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
     fn block(&mut self) -> u64 {
-        (self.next() % (SIZE / BS)) * BS
+        (self.next_u64() % (SIZE / BS)) * BS
     }
 }
 

@@ -583,10 +583,11 @@ impl Disk {
                 next = Some((resolve_backing(&lpath, name), bformat, Some(lpath.clone())));
             }
             let is_top = layers.is_empty();
-            if is_top && writable {
-                if meta.permissions().mode() & 0o222 == 0 || is_frozen(file_id(&meta), &lpath) {
-                    return Err(DiskError::ReadOnly { path: lpath });
-                }
+            if is_top
+                && writable
+                && (meta.permissions().mode() & 0o222 == 0 || is_frozen(file_id(&meta), &lpath))
+            {
+                return Err(DiskError::ReadOnly { path: lpath });
             }
             try_flock(&lpath, &file, is_top && writable)?;
             layers.push(Layer {
@@ -599,25 +600,19 @@ impl Disk {
 
         // 2. Open bottom-up through imago, each layer handed to the one above explicitly.
         let mut below: Option<FormatAccess<ImagoFile>> = None;
-        let n = layers.len();
         for (i, l) in layers.iter().enumerate().rev() {
             let w = writable && i == 0;
             let fa = open_layer(&l.path, l.format, w, below.take()).map_err(|e| match e {
-                DiskError::Io { source, path, op }
-                    if source.kind() == io::ErrorKind::PermissionDenied && w =>
+                DiskError::Io { source, path, .. }
+                    if w && matches!(
+                        source.kind(),
+                        io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+                    ) =>
                 {
-                    let _ = (source, op);
                     DiskError::ReadOnly { path }
                 }
                 e => e,
             })?;
-            if l.format == Format::Raw && i + 1 < n {
-                // Unreachable by construction (raw layers have no backing), kept as a guard.
-                return Err(DiskError::Unsupported {
-                    path: l.path.clone(),
-                    what: "raw layer with a backing file".into(),
-                });
-            }
             below = Some(fa);
         }
         let top = below.ok_or_else(|| DiskError::Missing {

@@ -93,8 +93,8 @@ fn overlay_on_qcow2_base_with_discard_and_zeroes() {
         let mut disk = Disk::open(&top, true).unwrap();
         let mut rng = Rng(42);
         for i in 0..500u32 {
-            let off = (rng.next() % (4 * MIB as u64 - 8192)) as usize;
-            let len = 1 + (rng.next() % 8192) as usize;
+            let off = (rng.next_u64() % (4 * MIB as u64 - 8192)) as usize;
+            let len = 1 + (rng.next_u64() % 8192) as usize;
             let p = pattern(len, i as u8);
             disk.write_at(&p, off as u64).unwrap();
             model[off..off + len].copy_from_slice(&p);
@@ -213,8 +213,8 @@ fn chain_fifty_deep_reads_correctly() {
         create_overlay(&below, &top).unwrap();
         let disk = Disk::open(&top, true).unwrap();
         for j in 0..3u8 {
-            let off = (rng.next() % (2 * MIB as u64 - 20_000)) as usize;
-            let len = 1 + (rng.next() % 20_000) as usize;
+            let off = (rng.next_u64() % (2 * MIB as u64 - 20_000)) as usize;
+            let len = 1 + (rng.next_u64() % 20_000) as usize;
             let p = pattern(len, (i as u8) ^ (j << 6));
             disk.write_at(&p, off as u64).unwrap();
             model[off..off + len].copy_from_slice(&p);

@@ -114,7 +114,7 @@ pub fn pattern(len: usize, tag: u8) -> Vec<u8> {
 /// Small deterministic RNG (xorshift64*).
 pub struct Rng(pub u64);
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
