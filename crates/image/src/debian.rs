@@ -29,8 +29,16 @@ pub const DEBIAN_BUILDER_VERSION: u32 = 1;
 pub const DEBIAN_SUITE: &str = "bookworm";
 /// debootstrap's variant: essential packages plus apt, no init system.
 pub const DEBIAN_VARIANT: &str = "minbase";
-/// Packages added to minbase (fio is for the disk benchmark).
-pub const DEBIAN_PACKAGES: &[&str] = &["python3", "curl", "iproute2", "ca-certificates", "fio"];
+/// Packages added to minbase (fio is for the disk benchmark, procps for
+/// ps/top/free in demos).
+pub const DEBIAN_PACKAGES: &[&str] = &[
+    "python3",
+    "curl",
+    "iproute2",
+    "ca-certificates",
+    "fio",
+    "procps",
+];
 /// Used when the host's apt sources name no mirror for [`DEBIAN_SUITE`].
 pub const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
 /// The root filesystem file in the image directory.

@@ -201,7 +201,8 @@ fn test_cache_key_stable_and_sensitive() {
     assert_eq!(debian::cache_key(&b), key);
 
     // Every input that changes the rootfs changes the key.
-    let changes: Vec<Box<dyn Fn(&mut Recipe)>> = vec![
+    type Change = Box<dyn Fn(&mut Recipe)>;
+    let changes: Vec<Change> = vec![
         Box::new(|r| r.mirror = "http://other.example/debian".into()),
         Box::new(|r| r.suite = "trixie".into()),
         Box::new(|r| r.variant = "buildd".into()),
@@ -283,6 +284,13 @@ fn test_build_debian_for_real() {
     std::fs::create_dir_all(&shared).expect("shared cache");
     std::fs::create_dir_all(home.join("cache")).expect("cache");
     std::os::unix::fs::symlink(&shared, home.join("cache/debs")).expect("symlink");
+    let debootstrap_cache = image::default_home()
+        .expect("home")
+        .join("cache")
+        .join("debootstrap");
+    std::fs::create_dir_all(&debootstrap_cache).expect("debootstrap cache");
+    std::os::unix::fs::symlink(&debootstrap_cache, home.join("cache/debootstrap"))
+        .expect("symlink");
     let mut opts = image::BuildOptions::new(home.clone());
     opts.agent = std::env::var_os("TINE_AGENT_BIN").map(PathBuf::from);
 
@@ -318,6 +326,8 @@ fn test_build_debian_for_real() {
         "/usr/bin/curl",
         "/usr/bin/fio",
         "/usr/sbin/ip",
+        "/usr/bin/ps",
+        "/usr/local/sbin/poweroff",
     ] {
         let out = Command::new("debugfs")
             .args(["-R", &format!("stat {file}")])
