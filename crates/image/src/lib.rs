@@ -393,6 +393,10 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
     let busybox = busybox_source(opts, &debs)?;
     let agent = read_agent(opts)?;
     let modules = module_list(&kernel);
+    let as_root = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+    };
     let mirror = debian::apt_mirror(Path::new("/etc/apt"), debian::DEBIAN_SUITE)
         .unwrap_or_else(|| debian::DEFAULT_MIRROR.to_string());
     let mut recipe = Recipe::new(&mirror);
@@ -413,6 +417,13 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
         }
     }
 
+    if !as_root {
+        return Err(ImageError::Command {
+            command: "debootstrap".into(),
+            detail: "it must run as root".into(),
+            hint: "build the debian image as root (e.g. sudo tine image build debian)".into(),
+        });
+    }
     tracing::info!("building image {NAME} {hash}");
     static BUILDS: AtomicU64 = AtomicU64::new(0);
     let scratch = images.join(format!(
