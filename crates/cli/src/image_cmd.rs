@@ -102,7 +102,6 @@ pub struct Resolved {
     pub cmdline: String,
     /// The image's root disk (debian), to attach as the first virtio-blk
     /// device (/dev/vda, which its cmdline mounts as root).
-    #[allow(dead_code)] // for `--image debian` in vm_cmds (integrator)
     pub rootfs: Option<PathBuf>,
 }
 

@@ -50,6 +50,9 @@ pub enum Command {
         #[arg(long, default_value_t = 60)]
         timeout_secs: u64,
     },
+    /// Disks of a vm.
+    #[command(subcommand)]
+    Disk(DiskCommand),
     /// Kill a vm's VMM at once.
     Kill { name: String },
     /// Remove a stopped vm and its state.
@@ -67,6 +70,16 @@ pub enum Command {
     /// The nested host that runs vms where there is no hardware virtualization.
     #[command(subcommand)]
     Machine(machine::MachineCommand),
+}
+
+#[derive(Subcommand)]
+pub enum DiskCommand {
+    /// The layers of each disk of a vm, top first, with sizes.
+    Layers {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -112,6 +125,9 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Stop { name, timeout_secs } => home()
             .and_then(|h| vm_cmds::stop(&h, &name, std::time::Duration::from_secs(timeout_secs))),
         Command::Kill { name } => home().and_then(|h| vm_cmds::kill(&h, &name)),
+        Command::Disk(DiskCommand::Layers { name, json }) => {
+            home().and_then(|h| vm_cmds::disk_layers(&h, &name, json))
+        }
         Command::Rm { name, force } => home().and_then(|h| vm_cmds::rm(&h, &name, force)),
         Command::Image(cmd) => image_cmd::run(cmd),
         Command::Machine(cmd) => home().and_then(|h| machine::run(&h, cmd)),

@@ -41,6 +41,7 @@ pub fn through_machine(
         | Command::Stop { name, .. }
         | Command::Kill { name }
         | Command::Rm { name, .. }
+        | Command::Disk(crate::DiskCommand::Layers { name, .. })
             if remote_vm(name) =>
         {
             Some(forward(false))

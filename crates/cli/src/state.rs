@@ -110,6 +110,10 @@ impl VmDir {
     pub fn vsock(&self) -> PathBuf {
         self.dir.join("vsock.sock")
     }
+    /// The vm's own top layer of disk `i` (a qcow2 overlay on the base).
+    pub fn disk_layer(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("disk{i}.qcow2"))
+    }
     pub fn exists(&self) -> bool {
         self.record_path().is_file()
     }

@@ -19,8 +19,8 @@ pub struct RunArgs {
     /// Name of the vm (letters, digits, '-', '_', '.').
     #[arg(long)]
     name: String,
-    /// Image: `minimal` (Linux, `tine image build`), `micro-counter`,
-    /// `micro-memtouch`, or an image directory.
+    /// Image: `minimal` or `debian` (Linux, `tine image build [debian]`),
+    /// `micro-counter`, `micro-memtouch`, or an image directory.
     #[arg(long, default_value = "minimal", conflicts_with = "kernel")]
     image: String,
     /// A kernel file instead of an image (a micro guest ELF, vmlinux or bzImage).
@@ -73,6 +73,9 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     let micro = args.is_micro();
     let agent = !args.no_agent && !micro;
+    for base in &args.disks {
+        anyhow::ensure!(base.is_file(), "disk image {} not found", base.display());
+    }
     // Leftovers of a vm that never wrote its record.
     let _ = std::fs::remove_dir_all(&vm.dir);
     std::fs::create_dir_all(&vm.dir)
@@ -89,8 +92,25 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     cmd.arg("--vcpus").arg(args.vcpus.to_string());
     cmd.arg("--console-log").arg(vm.console_log());
     cmd.arg("--exit-file").arg(vm.exit_path());
-    for d in &args.disks {
-        cmd.arg("--disk").arg(d);
+    // Each disk gets the vm's own empty qcow2 top layer; the file the user
+    // gave (or the image's root filesystem, first) becomes a read-only base
+    // that is never written.
+    let mut bases = Vec::new();
+    if args.kernel.is_none() && !micro {
+        if let Some(rootfs) = crate::image_cmd::resolve(&args.image)?.rootfs {
+            bases.push(rootfs);
+        }
+    }
+    bases.extend(args.disks.iter().cloned());
+    for (i, base) in bases.iter().enumerate() {
+        let base = std::fs::canonicalize(base)
+            .with_context(|| format!("disk image {} not found", base.display()))?;
+        let top = vm.disk_layer(i);
+        disk::Disk::open(&base, false)
+            .with_context(|| format!("cannot use {} as a disk", base.display()))?;
+        disk::create_overlay(&base, &top)
+            .with_context(|| format!("cannot create the top layer {}", top.display()))?;
+        cmd.arg("--disk").arg(&top);
     }
     if args.net {
         cmd.arg("--net").arg(tap_name(&args.name));
@@ -267,6 +287,70 @@ fn fmt_duration(s: u64) -> String {
         0..=59 => format!("{s}s"),
         60..=3599 => format!("{}m{}s", s / 60, s % 60),
         _ => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// `tine disk layers NAME`: every disk of the vm, top layer first.
+pub fn disk_layers(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let vm = VmDir::new(home, name);
+    vm.read_record()?;
+    let mut disks = Vec::new();
+    for i in 0.. {
+        let top = vm.disk_layer(i);
+        if !top.exists() {
+            break;
+        }
+        let chain = disk::chain(&top)
+            .with_context(|| format!("cannot read the layers of {}", top.display()))?;
+        disks.push(chain);
+    }
+    if json {
+        let v: Vec<Vec<serde_json::Value>> = disks
+            .iter()
+            .map(|chain| {
+                chain
+                    .iter()
+                    .map(|l| {
+                        serde_json::json!({
+                            "path": l.path,
+                            "format": format!("{:?}", l.format).to_lowercase(),
+                            "virtual_size": l.virtual_size,
+                            "allocated_bytes": l.allocated_bytes,
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if disks.is_empty() {
+        println!("{name}: no disks");
+    }
+    for (i, chain) in disks.iter().enumerate() {
+        println!(
+            "disk{i} ({} MiB):",
+            chain.first().map(|l| l.virtual_size >> 20).unwrap_or(0)
+        );
+        for (depth, l) in chain.iter().enumerate() {
+            let role = if depth == 0 { "top " } else { "base" };
+            println!(
+                "  {role} {:>6} {:>10} allocated  {}",
+                format!("{:?}", l.format).to_lowercase(),
+                human_bytes(l.allocated_bytes),
+                l.path.display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human_bytes(b: u64) -> String {
+    match b {
+        0..=1023 => format!("{b} B"),
+        1024..=1_048_575 => format!("{:.1} KiB", b as f64 / 1024.0),
+        1_048_576..=1_073_741_823 => format!("{:.1} MiB", b as f64 / 1_048_576.0),
+        _ => format!("{:.2} GiB", b as f64 / 1_073_741_824.0),
     }
 }
 

@@ -18,8 +18,10 @@ pub struct VmmArgs {
     /// Kernel: uncompressed ELF vmlinux, bzImage, or a micro guest ELF.
     #[arg(long, required_unless_present = "image", conflicts_with = "image")]
     kernel: Option<PathBuf>,
-    /// Image: `minimal` (built by `tine image build`), `micro-counter`,
-    /// `micro-memtouch`, or an image directory.
+    /// Image: `minimal` or `debian` (built by `tine image build [debian]`),
+    /// `micro-counter`, `micro-memtouch`, or an image directory. An image
+    /// with a root filesystem gets it as /dev/vda (read-only unless the
+    /// first --disk replaces it).
     #[arg(long)]
     image: Option<String>,
     /// Initramfs to load (with --kernel).
@@ -62,9 +64,20 @@ pub struct VmmArgs {
 }
 
 pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
+    let mut disks: Vec<DiskConfig> = args.disks.iter().map(|d| parse_disk(d)).collect();
     let (kernel, initrd, image_cmdline) = match (&args.image, args.kernel) {
         (Some(name), _) => {
             let r = crate::image_cmd::resolve(name)?;
+            // An image with a root filesystem boots from /dev/vda. The first
+            // --disk, when given, stands in for it (`tine run` passes the
+            // vm's own overlay); otherwise the cached base is attached
+            // read-only, so no guest ever writes it.
+            if let (Some(rootfs), true) = (r.rootfs, disks.is_empty()) {
+                disks.push(DiskConfig {
+                    path: rootfs,
+                    read_only: true,
+                });
+            }
             (r.kernel, r.initrd, r.cmdline)
         }
         (None, Some(kernel)) => (kernel, args.initrd, DEFAULT_CMDLINE.to_string()),
@@ -86,7 +99,7 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
         console_log: args.console_log,
         console_stdout: args.console,
         console_stdin: args.console,
-        disks: args.disks.iter().map(|d| parse_disk(d)).collect(),
+        disks,
         nets: args
             .nets
             .iter()

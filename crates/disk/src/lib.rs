@@ -532,71 +532,8 @@ impl Disk {
     /// written. The whole chain is validated before anything is opened for writing, so a
     /// failed open changes nothing on disk.
     pub fn open(path: &Path, writable: bool) -> Result<Disk, DiskError> {
-        // 1. Walk down the chain read-only, validating each layer.
-        let mut layers: Vec<Layer> = Vec::new();
-        let mut seen: HashSet<FileId> = HashSet::new();
-        let mut next: Option<(PathBuf, Option<Format>, Option<PathBuf>)> =
-            Some((path.to_path_buf(), None, None));
-        while let Some((lpath, lformat, referenced_by)) = next.take() {
-            if layers.len() >= MAX_CHAIN_DEPTH {
-                return Err(DiskError::TooDeep {
-                    path: path.into(),
-                    max: MAX_CHAIN_DEPTH,
-                });
-            }
-            let file = open_ro(&lpath, referenced_by.as_deref())?;
-            let meta = file.metadata().map_err(io_err(&lpath, "stat"))?;
-            if !meta.is_file() && !meta.file_type().is_block_device() {
-                return Err(DiskError::Unsupported {
-                    path: lpath,
-                    what: "not a regular file or block device".into(),
-                });
-            }
-            if !seen.insert(file_id(&meta)) {
-                let mut chain: Vec<PathBuf> = layers.iter().map(|l| l.path.clone()).collect();
-                chain.push(lpath.clone());
-                return Err(DiskError::Cycle { path: lpath, chain });
-            }
-            let p = probe(&lpath, &file, lformat)?;
-            if let Some(above) = layers.last() {
-                if above.virtual_size != p.virtual_size {
-                    return Err(DiskError::SizeMismatch {
-                        path: above.path.clone(),
-                        size: above.virtual_size,
-                        backing: lpath,
-                        backing_size: p.virtual_size,
-                    });
-                }
-            }
-            if let Some((name, fmt)) = &p.backing {
-                let bformat = match fmt.as_deref() {
-                    None => None,
-                    Some("qcow2") => Some(Format::Qcow2),
-                    Some("raw") | Some("file") => Some(Format::Raw),
-                    Some(other) => {
-                        return Err(DiskError::Unsupported {
-                            path: lpath,
-                            what: format!("backing format {other:?} (only qcow2 and raw)"),
-                        })
-                    }
-                };
-                next = Some((resolve_backing(&lpath, name), bformat, Some(lpath.clone())));
-            }
-            let is_top = layers.is_empty();
-            if is_top
-                && writable
-                && (meta.permissions().mode() & 0o222 == 0 || is_frozen(file_id(&meta), &lpath))
-            {
-                return Err(DiskError::ReadOnly { path: lpath });
-            }
-            try_flock(&lpath, &file, is_top && writable)?;
-            layers.push(Layer {
-                path: lpath,
-                format: p.format,
-                virtual_size: p.virtual_size,
-                lock: file,
-            });
-        }
+        // 1. Walk down the chain read-only, validating and locking each layer.
+        let layers = walk_chain(path, writable, true)?;
 
         // 2. Open bottom-up through imago, each layer handed to the one above explicitly.
         let mut below: Option<FormatAccess<ImagoFile>> = None;
@@ -736,9 +673,92 @@ impl Disk {
     }
 }
 
-/// The chain of an image without opening it for I/O (for `tine disk layers`).
+/// The chain of an image without opening it for I/O or locking it, so a
+/// running vm's layers can be shown (for `tine disk layers`).
 pub fn chain(path: &Path) -> Result<Vec<LayerInfo>, DiskError> {
-    Ok(Disk::open(path, false)?.chain())
+    Ok(walk_chain(path, false, false)?
+        .iter()
+        .map(|l| LayerInfo {
+            path: l.path.clone(),
+            format: l.format,
+            virtual_size: l.virtual_size,
+            allocated_bytes: l.lock.metadata().map(|m| m.blocks() * 512).unwrap_or(0),
+        })
+        .collect())
+}
+
+/// Walks the chain from `path` down, read-only, checking every layer
+/// (existence, cycles, depth, sizes, formats, write permission of the top
+/// when `writable`). With `lock`, each layer gets its advisory lock
+/// (exclusive on a writable top, shared below), held by the returned files.
+fn walk_chain(path: &Path, writable: bool, lock: bool) -> Result<Vec<Layer>, DiskError> {
+    let mut layers: Vec<Layer> = Vec::new();
+    let mut seen: HashSet<FileId> = HashSet::new();
+    let mut next: Option<(PathBuf, Option<Format>, Option<PathBuf>)> =
+        Some((path.to_path_buf(), None, None));
+    while let Some((lpath, lformat, referenced_by)) = next.take() {
+        if layers.len() >= MAX_CHAIN_DEPTH {
+            return Err(DiskError::TooDeep {
+                path: path.into(),
+                max: MAX_CHAIN_DEPTH,
+            });
+        }
+        let file = open_ro(&lpath, referenced_by.as_deref())?;
+        let meta = file.metadata().map_err(io_err(&lpath, "stat"))?;
+        if !meta.is_file() && !meta.file_type().is_block_device() {
+            return Err(DiskError::Unsupported {
+                path: lpath,
+                what: "not a regular file or block device".into(),
+            });
+        }
+        if !seen.insert(file_id(&meta)) {
+            let mut chain: Vec<PathBuf> = layers.iter().map(|l| l.path.clone()).collect();
+            chain.push(lpath.clone());
+            return Err(DiskError::Cycle { path: lpath, chain });
+        }
+        let p = probe(&lpath, &file, lformat)?;
+        if let Some(above) = layers.last() {
+            if above.virtual_size != p.virtual_size {
+                return Err(DiskError::SizeMismatch {
+                    path: above.path.clone(),
+                    size: above.virtual_size,
+                    backing: lpath,
+                    backing_size: p.virtual_size,
+                });
+            }
+        }
+        if let Some((name, fmt)) = &p.backing {
+            let bformat = match fmt.as_deref() {
+                None => None,
+                Some("qcow2") => Some(Format::Qcow2),
+                Some("raw") | Some("file") => Some(Format::Raw),
+                Some(other) => {
+                    return Err(DiskError::Unsupported {
+                        path: lpath,
+                        what: format!("backing format {other:?} (only qcow2 and raw)"),
+                    })
+                }
+            };
+            next = Some((resolve_backing(&lpath, name), bformat, Some(lpath.clone())));
+        }
+        let is_top = layers.is_empty();
+        if is_top
+            && writable
+            && (meta.permissions().mode() & 0o222 == 0 || is_frozen(file_id(&meta), &lpath))
+        {
+            return Err(DiskError::ReadOnly { path: lpath });
+        }
+        if lock {
+            try_flock(&lpath, &file, is_top && writable)?;
+        }
+        layers.push(Layer {
+            path: lpath,
+            format: p.format,
+            virtual_size: p.virtual_size,
+            lock: file,
+        });
+    }
+    Ok(layers)
 }
 
 /// Freeze `top` and branch it: `top` becomes read-only (mode bits cleared, and recorded in

@@ -1,7 +1,6 @@
 //! The virtio-blk device: configuration, features and queue servicing.
 
-use std::fs::OpenOptions;
-use std::io::{self, Seek, SeekFrom};
+use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -42,30 +41,12 @@ pub enum BlockError {
     /// The id does not fit the 20-byte GET_ID answer.
     #[error("Block device id {0:?} is longer than 20 bytes")]
     IdTooLong(String),
-    /// The image exists but cannot be opened.
-    #[error("Cannot open disk image {}", path.display())]
-    Open {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    /// The image file does not exist.
-    #[error("Disk image {} not found", path.display())]
-    NotFound {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    /// The image's size cannot be read.
-    #[error("Cannot read the size of disk image {}", path.display())]
-    Size {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    /// The image (or a layer of its backing chain) cannot be opened.
+    #[error("Cannot open disk image")]
+    Open(#[from] disk::DiskError),
 }
 
-/// A virtio-blk device backed by a raw image file.
+/// A virtio-blk device backed by a disk image: raw, or a qcow2 chain.
 pub struct Block {
     config: BlockConfig,
     disk: Disk,
@@ -100,32 +81,14 @@ impl Block {
         let n = id.len().min(id_bytes.len());
         id_bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
 
-        let path = config.path.clone();
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(!config.read_only)
-            .open(&path)
-            .map_err(|source| match source.kind() {
-                io::ErrorKind::NotFound => BlockError::NotFound {
-                    path: path.clone(),
-                    source,
-                },
-                _ => BlockError::Open {
-                    path: path.clone(),
-                    source,
-                },
-            })?;
-        // Seeking works for regular files and block devices alike.
-        let size = file
-            .seek(SeekFrom::End(0))
-            .map_err(|source| BlockError::Size {
-                path: path.clone(),
-                source,
-            })?;
+        // The top layer is opened writable unless read_only; every layer
+        // below it is read-only and never written (crates/disk).
+        let image = disk::Disk::open(&config.path, !config.read_only)?;
+        let size = image.size();
         if size % SECTOR_SIZE != 0 {
             tracing::warn!(
                 "disk image {} is not a multiple of 512 bytes; the last {} bytes are not visible",
-                path.display(),
+                config.path.display(),
                 size % SECTOR_SIZE
             );
         }
@@ -157,7 +120,7 @@ impl Block {
         .map_err(BlockError::EventFd)?;
         Ok(Self {
             disk: Disk {
-                file,
+                image,
                 nsectors,
                 read_only: config.read_only,
                 id: id_bytes,
@@ -528,8 +491,17 @@ mod tests {
             id: None,
         })
         .expect_err("missing file");
-        assert!(matches!(err, BlockError::NotFound { .. }));
-        assert_eq!(err.to_string(), "Disk image /nonexistent/x.raw not found");
+        assert!(
+            matches!(err, BlockError::Open(disk::DiskError::Missing { .. })),
+            "{err:?}"
+        );
+        let source = std::error::Error::source(&err)
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        assert!(
+            source.starts_with("/nonexistent/x.raw: no such file"),
+            "{source}"
+        );
         let long = Block::new(BlockConfig {
             path: "/nonexistent/x.raw".into(),
             read_only: false,

@@ -1,7 +1,7 @@
-//! virtio-blk over a raw image file.
+//! virtio-blk over a disk image: raw, or a qcow2 backing chain (crates/disk).
 //!
-//! Requests are served synchronously on the device thread with
-//! `pread`/`pwrite`; FLUSH is an `fsync`. Layout as for every device:
+//! Requests are served synchronously on the device thread; FLUSH flushes
+//! the top layer (its metadata, then fsync). Layout as for every device:
 //! `device.rs` (what the device is), `request.rs` (one request),
 //! `event_handler.rs` (how it reacts to events).
 

@@ -6,9 +6,6 @@
 //! and OUT data from the readable buffers, IN data and the status byte
 //! (the last writable byte) into the writable ones.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
     VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -25,9 +22,9 @@ const HEADER_LEN: usize = 16;
 const CHUNK: usize = 128 * 1024;
 const DEV: &str = "virtio-blk";
 
-/// The backing file and what the guest may do with it.
+/// The disk image and what the guest may do with it.
 pub(super) struct Disk {
-    pub file: File,
+    pub image: disk::Disk,
     pub nsectors: u64,
     pub read_only: bool,
     pub id: [u8; 20],
@@ -135,9 +132,9 @@ fn run(
         }
         VIRTIO_BLK_T_FLUSH => {
             if !disk.read_only {
-                disk.file
-                    .sync_all()
-                    .map_err(|e| ioerr(format!("fsync: {e}")))?;
+                disk.image
+                    .flush()
+                    .map_err(|e| ioerr(format!("flush: {e}")))?;
             }
             Ok(0)
         }
@@ -170,7 +167,7 @@ fn check_range(disk: &Disk, sector: u64, len: usize) -> Result<u64, Failure> {
     }
 }
 
-/// File → guest (IN).
+/// Image → guest (IN).
 fn copy_in(
     disk: &mut Disk,
     mem: &GuestMemoryMmap,
@@ -182,8 +179,8 @@ fn copy_in(
     while done < len {
         let n = (len - done).min(CHUNK);
         disk.buf.resize(n, 0);
-        disk.file
-            .read_exact_at(&mut disk.buf[..n], offset + done as u64)
+        disk.image
+            .read_at(&mut disk.buf[..n], offset + done as u64)
             .map_err(|e| ioerr(format!("read: {e}")))?;
         match bufs.write_at(mem, done, &disk.buf[..n]) {
             Ok(w) if w == n => {}
@@ -194,7 +191,7 @@ fn copy_in(
     Ok(())
 }
 
-/// Guest → file (OUT).
+/// Guest → image (OUT).
 fn copy_out(
     disk: &mut Disk,
     mem: &GuestMemoryMmap,
@@ -210,8 +207,8 @@ fn copy_out(
             Ok(r) if r == n => {}
             _ => return Err(ioerr("data buffer outside guest memory")),
         }
-        disk.file
-            .write_all_at(&disk.buf[..n], offset + done as u64)
+        disk.image
+            .write_at(&disk.buf[..n], offset + done as u64)
             .map_err(|e| ioerr(format!("write: {e}")))?;
         done += n;
     }

@@ -1,0 +1,270 @@
+//! Disk layers with a Linux guest: every vm writes into its own qcow2 top
+//! layer; bases never change; frozen layers branch; a crash loses nothing
+//! that was flushed. `qemu-img` is the oracle.
+//!
+//! Named `linux_*`: runs inside the nested test host when this machine has
+//! no hardware virtualization.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{kvm_available, tine, TempDir};
+
+struct Home(TempDir);
+
+impl Home {
+    fn new(tag: &str) -> Self {
+        let dir = TempDir::new(tag);
+        let cache = std::env::var_os("TINE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/tine")
+            });
+        std::os::unix::fs::symlink(cache.join("images"), dir.path().join("images"))
+            .expect("link images");
+        Self(dir)
+    }
+    fn out(&self, args: &[&str]) -> Output {
+        tine()
+            .args(args)
+            .env("TINE_HOME", self.0.path())
+            .stdin(Stdio::null())
+            .output()
+            .expect("tine")
+    }
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.out(args);
+        assert!(
+            out.status.success(),
+            "tine {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+    fn top(&self, vm: &str) -> PathBuf {
+        self.0.path().join("vms").join(vm).join("disk0.qcow2")
+    }
+}
+
+impl Drop for Home {
+    fn drop(&mut self) {
+        for vm in ["w", "c1", "c2", "crash"] {
+            let _ = self.out(&["rm", "--force", vm]);
+        }
+    }
+}
+
+fn hash(p: &Path) -> String {
+    blake3::hash(&std::fs::read(p).expect("read"))
+        .to_hex()
+        .to_string()
+}
+
+fn qemu_img(args: &[&str]) -> Output {
+    Command::new("qemu-img")
+        .args(args)
+        .output()
+        .expect("qemu-img (qemu-utils) must be installed")
+}
+
+fn check(p: &Path) {
+    let out = qemu_img(&["check", p.to_str().expect("utf8")]);
+    assert!(
+        out.status.success(),
+        "qemu-img check {}: {}",
+        p.display(),
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// The guest-visible bytes of a chain, flattened by qemu-img.
+fn flatten(top: &Path, dir: &Path) -> Vec<u8> {
+    let raw = dir.join(format!("flat-{}.raw", std::process::id()));
+    let out = qemu_img(&[
+        "convert",
+        "-O",
+        "raw",
+        top.to_str().expect("utf8"),
+        raw.to_str().expect("utf8"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&raw).expect("read");
+    let _ = std::fs::remove_file(raw);
+    bytes
+}
+
+fn write_at(h: &Home, vm: &str, block: u64, text: &str) {
+    let cmd = format!("printf {text} | dd of=/dev/vda bs=4096 seek={block} conv=fsync 2>/dev/null");
+    h.ok(&["exec", vm, "--", "sh", "-c", &cmd]);
+}
+
+fn read_at(h: &Home, vm: &str, block: u64, len: usize) -> String {
+    let cmd = format!("dd if=/dev/vda bs=4096 skip={block} count=1 2>/dev/null | head -c {len}");
+    h.ok(&["exec", vm, "--", "sh", "-c", &cmd])
+}
+
+#[test]
+fn test_vm_writes_its_own_layer_and_frozen_layers_branch() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("disk");
+    let dir = TempDir::new("diskfiles");
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, vec![0u8; 64 << 20]).expect("base");
+    let base_hash = hash(&base);
+
+    h.ok(&[
+        "run",
+        "--name",
+        "w",
+        "--mem",
+        "256M",
+        "--disk",
+        base.to_str().expect("utf8"),
+    ]);
+    write_at(&h, "w", 100, "pattern-A");
+    let layers = h.ok(&["disk", "layers", "w"]);
+    assert!(
+        layers.contains("qcow2") && layers.contains("raw"),
+        "{layers}"
+    );
+    h.ok(&["stop", "w"]);
+    let top = h.top("w");
+    check(&top);
+    assert_eq!(hash(&base), base_hash, "the base must never be written");
+    let flat = flatten(&top, dir.path());
+    assert_eq!(&flat[100 * 4096..100 * 4096 + 9], b"pattern-A");
+
+    // Freeze the vm's layer and branch twice; each branch sees only its own writes.
+    let frozen_hash = hash(&top);
+    let branches = disk::freeze(&top, 2, dir.path()).expect("freeze");
+    for (vm, b) in ["c1", "c2"].iter().zip(&branches) {
+        h.ok(&[
+            "run",
+            "--name",
+            vm,
+            "--mem",
+            "256M",
+            "--disk",
+            b.to_str().expect("utf8"),
+        ]);
+    }
+    write_at(&h, "c1", 200, "from-c1");
+    write_at(&h, "c2", 200, "from-c2");
+    for (vm, mine) in [("c1", "from-c1"), ("c2", "from-c2")] {
+        assert_eq!(
+            read_at(&h, vm, 100, 9),
+            "pattern-A",
+            "{vm} sees the parent's write"
+        );
+        assert_eq!(
+            read_at(&h, vm, 200, 7),
+            mine,
+            "{vm} sees only its own write"
+        );
+    }
+    h.ok(&["stop", "c1"]);
+    h.ok(&["stop", "c2"]);
+    for vm in ["c1", "c2"] {
+        check(&h.top(vm));
+    }
+    for b in &branches {
+        check(b);
+    }
+    assert_eq!(hash(&top), frozen_hash, "the frozen layer must not change");
+    assert_eq!(hash(&base), base_hash, "the base must not change");
+    let c1 = flatten(&h.top("c1"), dir.path());
+    let c2 = flatten(&h.top("c2"), dir.path());
+    assert_eq!(&c1[200 * 4096..200 * 4096 + 7], b"from-c1");
+    assert_eq!(&c2[200 * 4096..200 * 4096 + 7], b"from-c2");
+    let cmp = qemu_img(&[
+        "compare",
+        h.top("c1").to_str().expect("utf8"),
+        h.top("c2").to_str().expect("utf8"),
+    ]);
+    assert_eq!(cmp.status.code(), Some(1), "the branches must differ");
+}
+
+#[test]
+fn test_kill_9_keeps_every_flushed_write() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("crash");
+    let dir = TempDir::new("crashfiles");
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, vec![0u8; 32 << 20]).expect("base");
+    h.ok(&[
+        "run",
+        "--name",
+        "crash",
+        "--mem",
+        "256M",
+        "--disk",
+        base.to_str().expect("utf8"),
+    ]);
+
+    // The guest writes record i at sector i with an fsync each, and says ACK i
+    // only after dd (and so the flush) returned.
+    let mut writer = tine()
+        .args([
+            "exec",
+            "crash",
+            "--",
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 100000 ]; do printf 'rec%08d' $i | dd of=/dev/vda bs=512 seek=$i conv=fsync 2>/dev/null && echo ACK $i; i=$((i+1)); done",
+        ])
+        .env("TINE_HOME", h.0.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("exec");
+    let stdout = writer.stdout.take().expect("stdout");
+    let mut acked = 0u64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for line in BufReader::new(stdout).lines() {
+        let line = line.expect("line");
+        if let Some(n) = line
+            .strip_prefix("ACK ")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            acked = n;
+        }
+        if acked >= 40 || Instant::now() > deadline {
+            break;
+        }
+    }
+    assert!(acked >= 10, "the guest acknowledged only {acked} writes");
+    let out = h.ok(&["ls", "--json"]);
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).expect("json");
+    let pid = rows[0]["pid"].as_u64().expect("pid");
+    assert!(Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success());
+    let _ = writer.kill();
+    let _ = writer.wait();
+
+    let top = h.top("crash");
+    check(&top);
+    let flat = flatten(&top, dir.path());
+    for i in 0..=acked {
+        let at = (i * 512) as usize;
+        assert_eq!(
+            &flat[at..at + 11],
+            format!("rec{i:08}").as_bytes(),
+            "acknowledged write {i} lost"
+        );
+    }
+}
