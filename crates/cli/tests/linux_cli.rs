@@ -67,6 +67,7 @@ fn test_exec_cp_and_lifecycle_through_the_agent() {
     if !kvm_available() {
         return;
     }
+    let _serial = common::one_linux_test_at_a_time();
     let h = Home::new("cli");
     let out = h.ok(&["run", "--name", "one", "--mem", "256M"]);
     assert!(out.contains("agent answered in"), "{out}");

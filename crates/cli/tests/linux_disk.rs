@@ -116,6 +116,7 @@ fn test_vm_writes_its_own_layer_and_frozen_layers_branch() {
     if !kvm_available() {
         return;
     }
+    let _serial = common::one_linux_test_at_a_time();
     let h = Home::new("disk");
     let dir = TempDir::new("diskfiles");
     let base = dir.path().join("base.raw");
@@ -199,6 +200,7 @@ fn test_kill_9_keeps_every_flushed_write() {
     if !kvm_available() {
         return;
     }
+    let _serial = common::one_linux_test_at_a_time();
     let h = Home::new("crash");
     let dir = TempDir::new("crashfiles");
     let base = dir.path().join("base.raw");
@@ -267,4 +269,32 @@ fn test_kill_9_keeps_every_flushed_write() {
             "acknowledged write {i} lost"
         );
     }
+}
+
+#[test]
+fn test_debian_image_boots_with_root_on_its_own_layer() {
+    if !kvm_available() {
+        return;
+    }
+    let _serial = common::one_linux_test_at_a_time();
+    let h = Home::new("debian");
+    h.ok(&["run", "--name", "w", "--image", "debian", "--mem", "512M"]);
+    let out = h.ok(&["exec", "w", "--", "python3", "-c", "print(6 * 7)"]);
+    assert_eq!(out, "42\n");
+    let out = h.ok(&[
+        "exec",
+        "w",
+        "--",
+        "sh",
+        "-c",
+        "fio --version && findmnt -n -o SOURCE / && echo kept > /root/f && sync",
+    ]);
+    assert!(out.starts_with("fio-") && out.contains("/dev/vda"), "{out}");
+    let layers = h.ok(&["disk", "layers", "w"]);
+    assert!(
+        layers.contains("debian.ext4"),
+        "the image's rootfs is the base: {layers}"
+    );
+    h.ok(&["stop", "w"]);
+    check(&h.top("w"));
 }

@@ -47,6 +47,7 @@ fn test_linux_boots_writes_disk_and_powers_off() {
     if !kvm_available() {
         return;
     }
+    let _serial = common::one_linux_test_at_a_time();
     let dir = TempDir::new("linuxdisk");
     let disk = dir.path().join("disk.raw");
     std::fs::write(&disk, vec![0u8; 8 << 20]).expect("disk");
@@ -75,6 +76,7 @@ fn test_linux_vsock_round_trip_1mib_then_reboot() {
     if !kvm_available() {
         return;
     }
+    let _serial = common::one_linux_test_at_a_time();
     let dir = TempDir::new("linuxvsock");
     let sock = dir.path().join("v.sock");
     let mut vm = boot(&["--vsock", sock.to_str().expect("utf8")]);
@@ -112,6 +114,7 @@ fn test_linux_net_pings_host_tap_in_netns() {
     if !kvm_available() {
         return;
     }
+    let _serial = common::one_linux_test_at_a_time();
     let ns = format!("tine-test-{}", std::process::id());
     let ip = |args: &[&str]| {
         let st = Command::new("ip").args(args).status().expect("run ip");

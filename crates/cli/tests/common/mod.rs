@@ -25,6 +25,14 @@ pub fn kvm_available() -> bool {
     ok
 }
 
+/// Serializes the tests of one binary that boot Linux guests: inside the
+/// nested test host (two emulated CPUs) several at once only make each
+/// slower and the timeouts flaky.
+pub fn one_linux_test_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A fresh temporary directory, removed on drop.
 pub struct TempDir(pub PathBuf);
 
