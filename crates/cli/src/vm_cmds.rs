@@ -81,55 +81,14 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     std::fs::create_dir_all(&vm.dir)
         .with_context(|| format!("cannot create {}", vm.dir.display()))?;
 
-    let exe = std::env::current_exe().context("cannot find the tine executable")?;
-    let mut cmd = Command::new(&exe);
-    cmd.arg("vmm");
-    match &args.kernel {
-        Some(k) => cmd.arg("--kernel").arg(k),
-        None => cmd.arg("--image").arg(&args.image),
-    };
-    cmd.arg("--mem").arg(format!("{}M", args.mem));
-    cmd.arg("--vcpus").arg(args.vcpus.to_string());
-    cmd.arg("--console-log").arg(vm.console_log());
-    cmd.arg("--exit-file").arg(vm.exit_path());
-    // Each disk gets the vm's own empty qcow2 top layer; the file the user
-    // gave (or the image's root filesystem, first) becomes a read-only base
-    // that is never written.
-    let mut bases = Vec::new();
-    if args.kernel.is_none() && !micro {
-        if let Some(rootfs) = crate::image_cmd::resolve(&args.image)?.rootfs {
-            bases.push(rootfs);
+    let mut cmd = match vmm_command(&vm, &args, micro) {
+        Ok(cmd) => cmd,
+        Err(e) => {
+            // Nothing ran: leave no state behind.
+            let _ = std::fs::remove_dir_all(&vm.dir);
+            return Err(e);
         }
-    }
-    bases.extend(args.disks.iter().cloned());
-    for (i, base) in bases.iter().enumerate() {
-        let base = std::fs::canonicalize(base)
-            .with_context(|| format!("disk image {} not found", base.display()))?;
-        let top = vm.disk_layer(i);
-        disk::Disk::open(&base, false)
-            .with_context(|| format!("cannot use {} as a disk", base.display()))?;
-        disk::create_overlay(&base, &top)
-            .with_context(|| format!("cannot create the top layer {}", top.display()))?;
-        cmd.arg("--disk").arg(&top);
-    }
-    if args.net {
-        cmd.arg("--net").arg(tap_name(&args.name));
-    }
-    if !micro {
-        cmd.arg("--vsock").arg(vm.vsock());
-    }
-    let log = std::fs::File::create(vm.vmm_log())
-        .with_context(|| format!("cannot create {}", vm.vmm_log().display()))?;
-    let log_err = log.try_clone().context("cannot open the VMM log")?;
-    cmd.stdin(Stdio::null()).stdout(log).stderr(log_err);
-    // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
-    // detaches the VMM from our session so it outlives this command.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
+    };
     let started = Instant::now();
     let mut child = cmd.spawn().context("cannot start the VMM")?;
     let pid = child.id();
@@ -198,6 +157,61 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     // The VMM is not our child to wait for: it is reparented when we exit.
     std::mem::forget(child);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `tine vmm` command line for `run`, with the vm's own disk layers
+/// created.
+fn vmm_command(vm: &VmDir, args: &RunArgs, micro: bool) -> anyhow::Result<Command> {
+    let exe = std::env::current_exe().context("cannot find the tine executable")?;
+    let mut cmd = Command::new(&exe);
+    cmd.arg("vmm");
+    match &args.kernel {
+        Some(k) => cmd.arg("--kernel").arg(k),
+        None => cmd.arg("--image").arg(&args.image),
+    };
+    cmd.arg("--mem").arg(format!("{}M", args.mem));
+    cmd.arg("--vcpus").arg(args.vcpus.to_string());
+    cmd.arg("--console-log").arg(vm.console_log());
+    cmd.arg("--exit-file").arg(vm.exit_path());
+    // Each disk gets the vm's own empty qcow2 top layer; the file the user
+    // gave (or the image's root filesystem, first) becomes a read-only base
+    // that is never written.
+    let mut bases = Vec::new();
+    if args.kernel.is_none() && !micro {
+        if let Some(rootfs) = crate::image_cmd::resolve(&args.image)?.rootfs {
+            bases.push(rootfs);
+        }
+    }
+    bases.extend(args.disks.iter().cloned());
+    for (i, base) in bases.iter().enumerate() {
+        let base = std::fs::canonicalize(base)
+            .with_context(|| format!("disk image {} not found", base.display()))?;
+        let top = vm.disk_layer(i);
+        disk::Disk::open(&base, false)
+            .with_context(|| format!("cannot use {} as a disk", base.display()))?;
+        disk::create_overlay(&base, &top)
+            .with_context(|| format!("cannot create the top layer {}", top.display()))?;
+        cmd.arg("--disk").arg(&top);
+    }
+    if args.net {
+        cmd.arg("--net").arg(tap_name(&args.name));
+    }
+    if !micro {
+        cmd.arg("--vsock").arg(vm.vsock());
+    }
+    let log = std::fs::File::create(vm.vmm_log())
+        .with_context(|| format!("cannot create {}", vm.vmm_log().display()))?;
+    let log_err = log.try_clone().context("cannot open the VMM log")?;
+    cmd.stdin(Stdio::null()).stdout(log).stderr(log_err);
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
+    // detaches the VMM from our session so it outlives this command.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    Ok(cmd)
 }
 
 /// The tap of a vm: IFNAMSIZ allows 15 bytes.

@@ -205,3 +205,118 @@ fn test_duplicate_name_and_unknown_vm_are_clear_errors() {
     ok(&home, &["rm", "--force", "d"]);
     assert!(ls(&home).is_empty());
 }
+
+#[test]
+fn test_run_disk_gets_its_own_top_layer_and_bad_chains_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let home = TempDir::new("disks");
+    let dir = TempDir::new("diskfiles");
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, vec![0u8; 16 << 20]).expect("base");
+    let b = base.to_str().expect("utf8");
+    ok(
+        &home,
+        &[
+            "run",
+            "--name",
+            "d",
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+            "--disk",
+            b,
+        ],
+    );
+    let layers: serde_json::Value =
+        serde_json::from_str(&ok(&home, &["disk", "layers", "d", "--json"])).expect("json");
+    assert_eq!(layers[0][0]["format"], "qcow2", "{layers}");
+    assert_eq!(layers[0][1]["format"], "raw", "{layers}");
+    assert_eq!(layers[0][1]["path"], b);
+    let top = home.path().join("vms/d/disk0.qcow2");
+    let check = std::process::Command::new("qemu-img")
+        .arg("check")
+        .arg(&top)
+        .output()
+        .expect("qemu-img");
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    ok(&home, &["rm", "--force", "d"]);
+
+    // A chain whose backing file is missing, and a cycle: clear errors, no vm.
+    let top_a = dir.path().join("a.qcow2");
+    let top_b = dir.path().join("b.qcow2");
+    for (img, backing) in [(&top_a, &top_b), (&top_b, &top_a)] {
+        let st = std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b"])
+            .arg(backing)
+            .arg(img)
+            .arg("16M")
+            .status()
+            .expect("qemu-img create");
+        assert!(st.success());
+    }
+    let before = std::fs::read(&top_a).expect("read");
+    let out = t(
+        &home,
+        &[
+            "run",
+            "--name",
+            "e",
+            "--image",
+            "micro-counter",
+            "--disk",
+            top_a.to_str().expect("utf8"),
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cycle"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read(&top_a).expect("read"),
+        before,
+        "nothing changed"
+    );
+    std::fs::remove_file(&top_b).expect("rm");
+    let out = t(
+        &home,
+        &[
+            "run",
+            "--name",
+            "e",
+            "--image",
+            "micro-counter",
+            "--disk",
+            top_a.to_str().expect("utf8"),
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no such file"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = t(
+        &home,
+        &[
+            "run",
+            "--name",
+            "e",
+            "--image",
+            "micro-counter",
+            "--disk",
+            "/nonexistent.raw",
+        ],
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
+    assert!(ls(&home).is_empty(), "no vm left behind");
+    assert!(!home.path().join("vms/e").exists(), "no state left behind");
+}
