@@ -133,6 +133,20 @@ fn test_vm_writes_its_own_layer_and_frozen_layers_branch() {
         base.to_str().expect("utf8"),
     ]);
     write_at(&h, "w", 100, "pattern-A");
+    // The guest sees discard support and can discard (a range away from the pattern).
+    write_at(&h, "w", 300, "discard-me");
+    let out = h.ok(&[
+        "exec",
+        "w",
+        "--",
+        "sh",
+        "-c",
+        "cat /sys/block/vda/queue/discard_max_bytes && blkdiscard -o 1228800 -l 65536 /dev/vda && echo discarded",
+    ]);
+    assert!(
+        out.ends_with("discarded\n") && !out.starts_with("0\n"),
+        "{out}"
+    );
     let layers = h.ok(&["disk", "layers", "w"]);
     assert!(
         layers.contains("qcow2") && layers.contains("raw"),

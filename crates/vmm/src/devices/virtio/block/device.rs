@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX,
-    VIRTIO_BLK_ID_BYTES,
+    VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO,
+    VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_ID_BYTES,
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
@@ -100,15 +100,28 @@ impl Block {
             | (1u64 << VIRTIO_BLK_F_BLK_SIZE);
         if config.read_only {
             avail_features |= 1u64 << VIRTIO_BLK_F_RO;
+        } else {
+            // Cheap on qcow2 (clusters are dropped) and raw (hole punching).
+            avail_features |= (1u64 << VIRTIO_BLK_F_DISCARD) | (1u64 << VIRTIO_BLK_F_WRITE_ZEROES);
         }
 
-        // struct virtio_blk_config: capacity, size_max, seg_max,
-        // geometry (4 bytes), blk_size.
-        let mut config_space = [0u8; 24];
+        // struct virtio_blk_config: capacity (0), size_max (8), seg_max (12),
+        // geometry (16), blk_size (20), topology (24..32), writeback (32),
+        // max_discard_sectors (36), max_discard_seg (40),
+        // discard_sector_alignment (44), max_write_zeroes_sectors (48),
+        // max_write_zeroes_seg (52), write_zeroes_may_unmap (56).
+        let mut config_space = [0u8; 60];
         config_space[0..8].copy_from_slice(&nsectors.to_le_bytes());
         let seg_max = u32::from(QUEUE_SIZE) - 2;
         config_space[12..16].copy_from_slice(&seg_max.to_le_bytes());
         config_space[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes());
+        let max_sectors = request::MAX_DISCARD_SECTORS.to_le_bytes();
+        let max_seg = request::MAX_DISCARD_SEGMENTS.to_le_bytes();
+        config_space[36..40].copy_from_slice(&max_sectors);
+        config_space[40..44].copy_from_slice(&max_seg);
+        config_space[44..48].copy_from_slice(&1u32.to_le_bytes());
+        config_space[48..52].copy_from_slice(&max_sectors);
+        config_space[52..56].copy_from_slice(&max_seg);
 
         let base = DeviceBase::new(
             "virtio-blk",
@@ -217,8 +230,9 @@ mod tests {
 
     use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
     use virtio_bindings::virtio_blk::{
-        VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
-        VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+        VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
+        VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+        VIRTIO_BLK_T_WRITE_ZEROES,
     };
     use vm_memory::{Bytes, GuestAddress};
     use vmm_sys_util::tempfile::TempFile;
@@ -435,7 +449,7 @@ mod tests {
         let res = rig.submit(&[(HDR, 16, 0), (DATA, 100, F_WRITE), (STATUS, 1, F_WRITE)]);
         assert_eq!(res, (1, VIRTIO_BLK_S_IOERR as u8));
         // Unknown request type.
-        rig.header(11, 0);
+        rig.header(99, 0);
         let res = rig.submit(&[(HDR, 16, 0), (STATUS, 1, F_WRITE)]);
         assert_eq!(res, (1, VIRTIO_BLK_S_UNSUPP as u8));
         // Zero-length status descriptor: nothing to report into.
@@ -508,5 +522,48 @@ mod tests {
             id: Some("x".repeat(21)),
         });
         assert!(matches!(long, Err(BlockError::IdTooLong(_))));
+    }
+
+    #[test]
+    fn test_block_write_zeroes_and_discard_check_segments() {
+        let mut rig = Rig::new(false);
+        let seg = |sector: u64, num: u32, flags: u32| {
+            let mut b = sector.to_le_bytes().to_vec();
+            b.extend_from_slice(&num.to_le_bytes());
+            b.extend_from_slice(&flags.to_le_bytes());
+            b
+        };
+        // WRITE_ZEROES of sectors 3..5 (unmap allowed) zeroes exactly them.
+        rig.mem
+            .write_slice(&seg(3, 2, 1), GuestAddress(DATA))
+            .expect("seg");
+        rig.header(VIRTIO_BLK_T_WRITE_ZEROES, 0);
+        let res = rig.submit(&[(HDR, 16, 0), (DATA, 16, 0), (STATUS, 1, F_WRITE)]);
+        assert_eq!(res, (1, VIRTIO_BLK_S_OK as u8));
+        let bytes = rig.file_bytes();
+        assert!(bytes[3 * 512..5 * 512].iter().all(|b| *b == 0));
+        assert_eq!(bytes[2 * 512], 2);
+        assert_eq!(bytes[5 * 512], 5);
+        // DISCARD of a valid range succeeds.
+        rig.mem
+            .write_slice(&seg(6, 1, 0), GuestAddress(DATA))
+            .expect("seg");
+        rig.header(VIRTIO_BLK_T_DISCARD, 0);
+        let res = rig.submit(&[(HDR, 16, 0), (DATA, 16, 0), (STATUS, 1, F_WRITE)]);
+        assert_eq!(res, (1, VIRTIO_BLK_S_OK as u8));
+        // Unknown flags, a range past the end, no segments: refused, nothing zeroed.
+        rig.mem
+            .write_slice(&seg(8, 1, 1), GuestAddress(DATA))
+            .expect("seg");
+        let res = rig.submit(&[(HDR, 16, 0), (DATA, 16, 0), (STATUS, 1, F_WRITE)]);
+        assert_eq!(res, (1, VIRTIO_BLK_S_UNSUPP as u8));
+        rig.mem
+            .write_slice(&seg(DISK_SECTORS - 1, 2, 0), GuestAddress(DATA))
+            .expect("seg");
+        let res = rig.submit(&[(HDR, 16, 0), (DATA, 16, 0), (STATUS, 1, F_WRITE)]);
+        assert_eq!(res, (1, VIRTIO_BLK_S_IOERR as u8));
+        let res = rig.submit(&[(HDR, 16, 0), (STATUS, 1, F_WRITE)]);
+        assert_eq!(res, (1, VIRTIO_BLK_S_IOERR as u8));
+        assert_eq!(rig.file_bytes()[8 * 512], 8);
     }
 }

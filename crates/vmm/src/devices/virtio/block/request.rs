@@ -7,8 +7,9 @@
 //! (the last writable byte) into the writable ones.
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
-    VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_T_WRITE_ZEROES,
 };
 
 use super::SECTOR_SIZE;
@@ -21,6 +22,14 @@ const HEADER_LEN: usize = 16;
 /// pieces of at most this size, whatever the request length.
 const CHUNK: usize = 128 * 1024;
 const DEV: &str = "virtio-blk";
+/// Largest range one DISCARD or WRITE_ZEROES segment may cover (1 GiB).
+pub(super) const MAX_DISCARD_SECTORS: u32 = 1 << 21;
+/// Most segments in one DISCARD or WRITE_ZEROES request.
+pub(super) const MAX_DISCARD_SEGMENTS: u32 = 64;
+/// struct virtio_blk_discard_write_zeroes: sector, num_sectors, flags.
+const SEGMENT_LEN: usize = 16;
+/// The only flag: the device may unmap while zeroing.
+const WRITE_ZEROES_FLAG_UNMAP: u32 = 1;
 
 /// The disk image and what the guest may do with it.
 pub(super) struct Disk {
@@ -138,6 +147,13 @@ fn run(
             }
             Ok(0)
         }
+        VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
+            if disk.read_only {
+                return Err(ioerr("discard or write-zeroes on a read-only disk"));
+            }
+            discard_or_zero(disk, mem, bufs, kind == VIRTIO_BLK_T_WRITE_ZEROES)?;
+            Ok(0)
+        }
         VIRTIO_BLK_T_GET_ID => {
             let n = status_offset.min(disk.id.len());
             match bufs.write_at(mem, 0, &disk.id[..n]) {
@@ -165,6 +181,57 @@ fn check_range(disk: &Disk, sector: u64, len: usize) -> Result<u64, Failure> {
             disk.nsectors
         ))),
     }
+}
+
+/// DISCARD or WRITE_ZEROES: the segments follow the header in the
+/// readable buffers; each is checked before any is applied.
+fn discard_or_zero(
+    disk: &mut Disk,
+    mem: &GuestMemoryMmap,
+    bufs: &ChainBuffers,
+    zero: bool,
+) -> Result<(), Failure> {
+    let len = bufs.readable_len() - HEADER_LEN;
+    if len == 0 || len % SEGMENT_LEN != 0 || len / SEGMENT_LEN > MAX_DISCARD_SEGMENTS as usize {
+        return Err(ioerr(format!("{len} bytes of discard segments")));
+    }
+    let mut raw = vec![0u8; len];
+    match bufs.read_at(mem, HEADER_LEN, &mut raw) {
+        Ok(n) if n == len => {}
+        _ => return Err(ioerr("discard segments outside guest memory")),
+    }
+    let mut ranges = Vec::with_capacity(len / SEGMENT_LEN);
+    for seg in raw.chunks_exact(SEGMENT_LEN) {
+        let mut sector = [0u8; 8];
+        sector.copy_from_slice(&seg[0..8]);
+        let sector = u64::from_le_bytes(sector);
+        let num = u32::from_le_bytes([seg[8], seg[9], seg[10], seg[11]]);
+        let flags = u32::from_le_bytes([seg[12], seg[13], seg[14], seg[15]]);
+        let allowed = if zero { WRITE_ZEROES_FLAG_UNMAP } else { 0 };
+        if flags & !allowed != 0 || num > MAX_DISCARD_SECTORS {
+            return Err((
+                Status::Unsupp,
+                format!("discard segment flags {flags:#x}, {num} sectors"),
+            ));
+        }
+        let bytes = u64::from(num) * SECTOR_SIZE;
+        let offset = check_range(disk, sector, bytes as usize)?;
+        ranges.push((offset, bytes));
+    }
+    for (offset, bytes) in ranges {
+        let r = if zero {
+            disk.image.write_zeroes(offset, bytes)
+        } else {
+            disk.image.discard(offset, bytes)
+        };
+        r.map_err(|e| {
+            ioerr(format!(
+                "{}: {e}",
+                if zero { "write zeroes" } else { "discard" }
+            ))
+        })?;
+    }
+    Ok(())
 }
 
 /// Image → guest (IN).
