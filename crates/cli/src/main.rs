@@ -91,6 +91,15 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Vmm(_)) {
+        // `tine ls | head` should end quietly, as Unix tools do. The VMM
+        // keeps SIGPIPE ignored: a closed console must not kill the vm.
+        // SAFETY: restoring the default disposition of one signal before
+        // any thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let routed = home().map(|h| routing::through_machine(&h, &cli.command, &args));
     let result = match routed {
