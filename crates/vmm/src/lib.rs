@@ -3,6 +3,9 @@
 //! Read top-down: [`config::VmConfig`] says what to run, [`builder::build`]
 //! creates the VM, memory, kernel, devices and vCPUs, and [`Vmm::run`] runs
 //! it until the guest resets, powers off or the host stops it.
+//! [`Vmm::start`] runs it in the background and gives a [`VmmHandle`] to
+//! pause, resume and save it ([`state`] holds what is saved, [`vstate`] the
+//! control and the restore into a new VM).
 
 pub mod arch;
 pub mod builder;
@@ -10,8 +13,10 @@ pub mod config;
 pub mod devices;
 pub mod exit;
 pub mod memory;
+pub mod state;
 pub mod vcpu;
 pub mod vm;
+pub mod vstate;
 
 use std::io::Read;
 use std::sync::{Arc, Mutex};
@@ -26,6 +31,8 @@ use crate::vm::Vm;
 
 pub use builder::{build, BuildError};
 pub use config::VmConfig;
+pub use state::{FpuState, MachineState, VcpuState, VmState, XsaveState};
+pub use vstate::{ControlError, RunningVmm, VmmHandle};
 
 /// A built vm, ready to run.
 pub struct Vmm {
@@ -56,6 +63,13 @@ impl Vmm {
     /// they are blocked here, before any thread starts, and taken by one
     /// thread with sigwait, so no vCPU thread is interrupted by them.
     pub fn run(self) -> Result<GuestExit, RunError> {
+        Ok(self.start()?.wait())
+    }
+
+    /// Starts the vm's threads (signals, console input, devices, vCPUs) and
+    /// returns while it runs; [`RunningVmm::handle`] pauses, resumes and
+    /// saves it, [`RunningVmm::wait`] waits for its exit.
+    pub fn start(self) -> Result<RunningVmm, RunError> {
         let exit = self.exit.clone();
         let signals = block_stop_signals();
         spawn("signals", {
@@ -73,15 +87,9 @@ impl Vmm {
                 return;
             }
         })?;
-        for vcpu in self.vcpus {
-            vcpu.start(self.pio.clone(), self.mmio.clone(), exit.clone())?;
-        }
-        let reason = exit.wait();
-        // vCPU threads may still be inside KVM_RUN: the VM and its memory
-        // must outlive them, and the process ends right after this returns.
-        std::mem::forget(self.mem);
-        std::mem::forget(self.vm);
-        Ok(reason)
+        Ok(RunningVmm::start(
+            self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit,
+        )?)
     }
 
     /// The shared exit notifier (devices report through it).

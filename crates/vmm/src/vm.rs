@@ -1,9 +1,11 @@
 //! The KVM VM: /dev/kvm, the VM fd, guest memory slots, in-kernel irqchip and PIT.
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES,
+    kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, CpuId,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MAX_CPUID_ENTRIES,
     KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Kvm, VmFd};
@@ -11,6 +13,17 @@ use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::x86_64::layout::KVM_TSS_ADDRESS;
 use crate::memory::GuestMemoryMmap;
+use crate::state::VmState;
+
+/// KVM_GET_MSR_INDEX_LIST of this host's /dev/kvm, read once by the first
+/// [`Vm::new`] (a system ioctl: vCPUs cannot ask for it themselves).
+static MSR_INDEX_LIST: OnceLock<Vec<u32>> = OnceLock::new();
+
+/// The MSR indices KVM reports as saved/emulated on this host, if a VM was
+/// created in this process. vCPU state saves those among them it can read.
+pub fn msr_index_list() -> &'static [u32] {
+    MSR_INDEX_LIST.get().map(Vec::as_slice).unwrap_or(&[])
+}
 
 /// Errors while opening KVM and creating the VM.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +44,9 @@ pub enum VmError {
     /// A KVM ioctl failed.
     #[error("{0} failed")]
     Kvm(&'static str, #[source] kvm_ioctls::Error),
+    /// A saved state that cannot be what KVM wrote.
+    #[error("Saved VM state is invalid: {0}")]
+    InvalidState(&'static str),
     /// More memory regions than KVM has slots.
     #[error("Guest memory has more regions than KVM memory slots")]
     TooManyRegions,
@@ -64,6 +80,12 @@ impl Vm {
             .map_err(|e| VmError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
         fd.set_tss_address(KVM_TSS_ADDRESS)
             .map_err(|e| VmError::Kvm("KVM_SET_TSS_ADDR", e))?;
+        if MSR_INDEX_LIST.get().is_none() {
+            let list = kvm
+                .get_msr_index_list()
+                .map_err(|e| VmError::Kvm("KVM_GET_MSR_INDEX_LIST", e))?;
+            let _ = MSR_INDEX_LIST.set(list.as_slice().to_vec());
+        }
         Ok(Self {
             fd,
             supported_cpuid,
@@ -112,5 +134,66 @@ impl Vm {
     /// CPUID entries KVM supports on this host.
     pub fn supported_cpuid(&self) -> &CpuId {
         &self.supported_cpuid
+    }
+
+    /// Saves the irqchip (PIC master, PIC slave, IOAPIC), PIT and kvmclock.
+    /// Call with every vCPU paused.
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        let chip = |chip_id, what| {
+            let mut c = kvm_irqchip {
+                chip_id,
+                ..Default::default()
+            };
+            self.fd
+                .get_irqchip(&mut c)
+                .map(|()| c)
+                .map_err(|e| VmError::Kvm(what, e))
+        };
+        Ok(VmState {
+            pic_master: chip(KVM_IRQCHIP_PIC_MASTER, "KVM_GET_IRQCHIP (PIC master)")?,
+            pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE, "KVM_GET_IRQCHIP (PIC slave)")?,
+            ioapic: chip(KVM_IRQCHIP_IOAPIC, "KVM_GET_IRQCHIP (IOAPIC)")?,
+            pit: self
+                .fd
+                .get_pit2()
+                .map_err(|e| VmError::Kvm("KVM_GET_PIT2", e))?,
+            clock: self
+                .fd
+                .get_clock()
+                .map_err(|e| VmError::Kvm("KVM_GET_CLOCK", e))?,
+        })
+    }
+
+    /// Restores what [`Vm::save_state`] took. The VM must have its memslots,
+    /// irqchip and PIT ([`Vm::register_memory`], [`Vm::setup_irqchip`]) and
+    /// no running vCPU. kvmclock continues from the saved value (see
+    /// [`VmState`]).
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
+        if state.pic_master.chip_id != KVM_IRQCHIP_PIC_MASTER
+            || state.pic_slave.chip_id != KVM_IRQCHIP_PIC_SLAVE
+            || state.ioapic.chip_id != KVM_IRQCHIP_IOAPIC
+        {
+            return Err(VmError::InvalidState("irqchip ids out of place"));
+        }
+        self.fd
+            .set_pit2(&state.pit)
+            .map_err(|e| VmError::Kvm("KVM_SET_PIT2", e))?;
+        let clock = kvm_clock_data {
+            clock: state.clock.clock,
+            ..Default::default()
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(|e| VmError::Kvm("KVM_SET_CLOCK", e))?;
+        for (chip, what) in [
+            (&state.pic_master, "KVM_SET_IRQCHIP (PIC master)"),
+            (&state.pic_slave, "KVM_SET_IRQCHIP (PIC slave)"),
+            (&state.ioapic, "KVM_SET_IRQCHIP (IOAPIC)"),
+        ] {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(|e| VmError::Kvm(what, e))?;
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,231 @@
+//! Control of a running vm: pause, resume and save from any thread.
+//!
+//! Threads and channels only (no async runtime: fork(2) keeps one thread).
+//! Each vCPU thread owns its `VcpuFd`; the controller talks to it through
+//! its request/reply channels and kicks it with a signal (see
+//! [`crate::vcpu`]). A parked vCPU blocks in `recv` and holds no lock.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::devices::Bus;
+use crate::exit::{ExitNotifier, GuestExit};
+use crate::memory::GuestMemoryMmap;
+use crate::state::MachineState;
+use crate::vcpu::{Vcpu, VcpuError, VcpuReply, VcpuRequest, VcpuThread};
+use crate::vm::{Vm, VmError};
+
+/// How long a vCPU thread may take to answer a request before the
+/// controller gives up on it (it normally answers in microseconds).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Errors of pause, resume and save.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("The vm is already paused")]
+    AlreadyPaused,
+    #[error("The vm is not paused")]
+    NotPaused,
+    #[error("vCPU {0} has stopped (the vm exited)")]
+    VcpuGone(u8),
+    #[error("vCPU {0} did not answer within {REPLY_TIMEOUT:?}")]
+    VcpuTimeout(u8),
+    #[error("vCPU {index} refused the request: {why}")]
+    Refused { index: u8, why: &'static str },
+    #[error("vCPU {index} gave an unexpected answer: {reply}")]
+    Protocol { index: u8, reply: String },
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error(transparent)]
+    Vm(#[from] VmError),
+}
+
+struct Inner {
+    vm: Vm,
+    mem: GuestMemoryMmap,
+    exit: Arc<ExitNotifier>,
+    /// Held by the controller for a whole pause/resume/save; never touched
+    /// by vCPU threads.
+    vcpus: Mutex<Vcpus>,
+}
+
+struct Vcpus {
+    threads: Vec<VcpuThread>,
+    paused: bool,
+}
+
+/// A handle on a running vm; clone it freely and use it from any thread.
+#[derive(Clone)]
+pub struct VmmHandle {
+    inner: Arc<Inner>,
+}
+
+/// A vm whose vCPU threads are running.
+pub struct RunningVmm {
+    handle: VmmHandle,
+}
+
+impl RunningVmm {
+    /// Starts one thread per vCPU on `vm` and `mem` (a built vm, or one
+    /// rebuilt by [`crate::vstate::restore_machine`]). Device threads are
+    /// the caller's.
+    pub fn start(
+        vm: Vm,
+        mem: GuestMemoryMmap,
+        vcpus: Vec<Vcpu>,
+        pio: Arc<Bus>,
+        mmio: Arc<Bus>,
+        exit: Arc<ExitNotifier>,
+    ) -> Result<Self, VcpuError> {
+        let mut threads = Vec::with_capacity(vcpus.len());
+        for vcpu in vcpus {
+            threads.push(vcpu.start(pio.clone(), mmio.clone(), exit.clone())?);
+        }
+        Ok(Self {
+            handle: VmmHandle {
+                inner: Arc::new(Inner {
+                    vm,
+                    mem,
+                    exit,
+                    vcpus: Mutex::new(Vcpus {
+                        threads,
+                        paused: false,
+                    }),
+                }),
+            },
+        })
+    }
+
+    /// A handle to pause, resume and save this vm.
+    pub fn handle(&self) -> VmmHandle {
+        self.handle.clone()
+    }
+
+    /// Blocks until the vm exits; returns why.
+    pub fn wait(self) -> GuestExit {
+        let reason = self.handle.inner.exit.wait();
+        // vCPU threads may still be inside KVM_RUN: the VM and its memory
+        // must outlive them, and the process ends right after this returns.
+        std::mem::forget(self.handle);
+        reason
+    }
+}
+
+impl VmmHandle {
+    /// Stops every vCPU: each leaves KVM_RUN, completes a pending I/O exit
+    /// and parks. Returns how long it took until the last vCPU parked.
+    pub fn pause(&self) -> Result<Duration, ControlError> {
+        let mut vcpus = self.lock();
+        if vcpus.paused {
+            return Err(ControlError::AlreadyPaused);
+        }
+        let start = Instant::now();
+        for t in &vcpus.threads {
+            t.requests
+                .send(VcpuRequest::Pause)
+                .map_err(|_| ControlError::VcpuGone(t.index))?;
+            t.kick();
+        }
+        // Mark paused before waiting: a vCPU that parked must be resumed
+        // even if another one fails to answer.
+        vcpus.paused = true;
+        for t in &vcpus.threads {
+            expect(t, |r| matches!(r, VcpuReply::Paused))?;
+        }
+        Ok(start.elapsed())
+    }
+
+    /// Lets every parked vCPU run again.
+    pub fn resume(&self) -> Result<(), ControlError> {
+        let mut vcpus = self.lock();
+        if !vcpus.paused {
+            return Err(ControlError::NotPaused);
+        }
+        for t in &vcpus.threads {
+            t.requests
+                .send(VcpuRequest::Resume)
+                .map_err(|_| ControlError::VcpuGone(t.index))?;
+        }
+        vcpus.paused = false;
+        for t in &vcpus.threads {
+            expect(t, |r| matches!(r, VcpuReply::Resumed))?;
+        }
+        Ok(())
+    }
+
+    /// Saves every vCPU (each on its own thread, which owns its fd) and the
+    /// VM-level state. Only while paused.
+    pub fn save_state(&self) -> Result<MachineState, ControlError> {
+        let vcpus = self.lock();
+        if !vcpus.paused {
+            return Err(ControlError::NotPaused);
+        }
+        let mut states = Vec::with_capacity(vcpus.threads.len());
+        for t in &vcpus.threads {
+            t.requests
+                .send(VcpuRequest::Save)
+                .map_err(|_| ControlError::VcpuGone(t.index))?;
+            match recv(t)? {
+                VcpuReply::Saved(result) => states.push((*result)?),
+                other => return Err(unexpected(t, other)),
+            }
+        }
+        Ok(MachineState {
+            vcpus: states,
+            vm: self.inner.vm.save_state()?,
+        })
+    }
+
+    /// Whether the vm is paused.
+    pub fn is_paused(&self) -> bool {
+        self.lock().paused
+    }
+
+    /// The vm's guest memory (read it only while paused for a consistent view).
+    pub fn guest_memory(&self) -> &GuestMemoryMmap {
+        &self.inner.mem
+    }
+
+    /// The VM (its fd, supported CPUID).
+    pub fn vm(&self) -> &Vm {
+        &self.inner.vm
+    }
+
+    /// The vm's exit notifier.
+    pub fn exit_notifier(&self) -> &Arc<ExitNotifier> {
+        &self.inner.exit
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vcpus> {
+        self.inner.vcpus.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn recv(t: &VcpuThread) -> Result<VcpuReply, ControlError> {
+    t.replies.recv_timeout(REPLY_TIMEOUT).map_err(|e| match e {
+        std::sync::mpsc::RecvTimeoutError::Timeout => ControlError::VcpuTimeout(t.index),
+        std::sync::mpsc::RecvTimeoutError::Disconnected => ControlError::VcpuGone(t.index),
+    })
+}
+
+fn expect(t: &VcpuThread, ok: impl Fn(&VcpuReply) -> bool) -> Result<(), ControlError> {
+    let reply = recv(t)?;
+    if ok(&reply) {
+        Ok(())
+    } else {
+        Err(unexpected(t, reply))
+    }
+}
+
+fn unexpected(t: &VcpuThread, reply: VcpuReply) -> ControlError {
+    match reply {
+        VcpuReply::Refused(why) => ControlError::Refused {
+            index: t.index,
+            why,
+        },
+        other => ControlError::Protocol {
+            index: t.index,
+            reply: format!("{other:?}"),
+        },
+    }
+}
