@@ -14,7 +14,7 @@
 
 use std::cell::Cell;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Once, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use kvm_bindings::{kvm_msr_entry, CpuId, Msrs, Xsave, KVM_MAX_CPUID_ENTRIES, KVM_MAX_MSR_ENTRIES};
@@ -75,6 +75,9 @@ pub enum VcpuError {
     /// The saved state does not fit this vCPU.
     #[error("vCPU {index}: saved state is invalid: {why}")]
     InvalidState { index: u8, why: &'static str },
+    /// The signal handler that kicks vCPUs out of KVM_RUN could not be installed.
+    #[error("Cannot install the vCPU kick signal handler")]
+    KickHandler(#[source] std::io::Error),
     /// The thread could not be started.
     #[error("vCPU {index}: cannot start its thread")]
     Spawn {
@@ -149,15 +152,19 @@ extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc:
     });
 }
 
-/// Installs the process-wide kick handler once and unblocks the kick
-/// signal in the calling thread only.
-fn install_kick_handler() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if let Err(e) = vmm_sys_util::signal::register_signal_handler(kick_signal(), handle_kick) {
-            tracing::error!("cannot install the vCPU kick handler: {e}");
-        }
+/// Installs the process-wide kick handler, once, before any vCPU thread
+/// can be kicked (the default action of a realtime signal ends the process).
+fn install_kick_handler() -> Result<(), std::io::Error> {
+    static RESULT: OnceLock<Result<(), i32>> = OnceLock::new();
+    let result = RESULT.get_or_init(|| {
+        vmm_sys_util::signal::register_signal_handler(kick_signal(), handle_kick)
+            .map_err(|e| e.errno())
     });
+    result.map_err(std::io::Error::from_raw_os_error)
+}
+
+/// Unblocks the kick signal in the calling (vCPU) thread.
+fn unblock_kick_signal() {
     // SAFETY: sigset_t is plain data initialised by sigemptyset/sigaddset;
     // pthread_sigmask only changes this thread's mask.
     unsafe {
@@ -565,6 +572,7 @@ impl Vcpu {
         exit: Arc<ExitNotifier>,
     ) -> Result<VcpuThread, VcpuError> {
         let index = self.index;
+        install_kick_handler().map_err(VcpuError::KickHandler)?;
         let (req_tx, req_rx) = std::sync::mpsc::channel();
         let (rep_tx, rep_rx) = std::sync::mpsc::channel();
         let handle = std::thread::Builder::new()
@@ -586,18 +594,21 @@ impl Vcpu {
     }
 
     fn run(mut self, pio: &Bus, mmio: &Bus, exit: &ExitNotifier, ctl: &mut Control) {
-        install_kick_handler();
+        unblock_kick_signal();
         let immediate_exit: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         IMMEDIATE_EXIT.with(|p| p.set(immediate_exit));
+        // Requests are looked at before every KVM_RUN, and only after the
+        // pointer above is set: a request sent (and kicked) before that is
+        // found here, one kicked after it makes KVM_RUN return at once.
         while exit.get().is_none() {
-            if self.run_once(pio, mmio, exit) == Ran::Interrupted {
-                self.fd.set_kvm_immediate_exit(0);
-            }
             match ctl.requests.try_recv() {
                 Ok(VcpuRequest::Pause) => self.park(pio, mmio, exit, ctl),
                 Ok(VcpuRequest::Resume) => ctl.reply(VcpuReply::Resumed),
                 Ok(VcpuRequest::Save) => ctl.reply(VcpuReply::Refused("vCPU is running")),
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
+            }
+            if self.run_once(pio, mmio, exit) == Ran::Interrupted {
+                self.fd.set_kvm_immediate_exit(0);
             }
         }
         IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));

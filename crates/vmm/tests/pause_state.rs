@@ -133,6 +133,7 @@ fn test_pause_stops_guest_and_resume_continues() {
     let after = wait_for_count(&log, n + 2);
     assert_consecutive(&after);
     println!("pause took {took:?}");
+    running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -146,6 +147,7 @@ fn test_save_while_running_is_refused() {
         running.handle().save_state(),
         Err(vmm::ControlError::NotPaused)
     ));
+    running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -176,6 +178,7 @@ fn test_pause_latency_median() {
     // The guest still runs and counts in order.
     let n = *counts(&read(&log)).last().expect("a count");
     assert_consecutive(&wait_for_count(&log, n + 1));
+    running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -242,7 +245,13 @@ fn test_state_save_restore_save_is_equal() {
     let mem = copy_memory(h.guest_memory());
     h.resume().expect("resume");
 
+    let started = Instant::now();
     let again = save_restored(&mem, &decoded);
+    println!(
+        "new VM + restore + save of 1 vCPU: {:?}; {} MSRs saved",
+        started.elapsed(),
+        saved.vcpus[0].msrs.len()
+    );
     let (a, b) = (strip_moving_clocks(&saved), strip_moving_clocks(&again));
     let mut differ = Vec::new();
     diff("", &a, &b, &mut differ);
@@ -250,7 +259,10 @@ fn test_state_save_restore_save_is_equal() {
         differ.is_empty(),
         "state differs after a round trip at {differ:?}"
     );
-    assert!(!saved.vcpus[0].msrs.is_empty());
+    let saved_msrs: Vec<u32> = saved.vcpus[0].msrs.iter().map(|m| m.index).collect();
+    assert!(saved_msrs.contains(&0x10), "TSC not saved: {saved_msrs:x?}");
+    assert!(saved.vcpus[0].xsave.is_some() || saved.vcpus[0].fpu.is_some());
+    running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -270,7 +282,9 @@ fn test_restored_vm_continues_counting() {
     let mem = copy_memory(h.guest_memory());
 
     // A new VM on the copy, with its own serial port writing to its own log.
+    let started = Instant::now();
     let (vm, vcpus) = restore_machine(Path::new("/dev/kvm"), &mem, &saved).expect("restore");
+    let restore_took = started.elapsed();
     let child_log = dir.join("child.log");
     let irq = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
     vm.fd()
@@ -294,6 +308,7 @@ fn test_restored_vm_continues_counting() {
     // The parent stays paused; the child picks up exactly where it was: the
     // parent's output up to the pause followed by the child's is one
     // unbroken count (a line cut by the pause is finished by the child).
+    println!("restore_machine into a new VM: {restore_took:?}");
     wait_for_count(&child_log, n + 3);
     let joined = format!("{parent_at_pause}{}", read(&child_log));
     let c = counts(&joined);
@@ -305,5 +320,67 @@ fn test_restored_vm_continues_counting() {
     child.handle().pause().expect("pause child");
     h.resume().expect("resume parent");
     assert_consecutive(&wait_for_count(&log, n + 2));
+    child.handle().stop();
+    running.handle().stop();
+    assert!(matches!(
+        h.pause(),
+        Err(vmm::ControlError::Exited(vmm::exit::GuestExit::Stopped))
+    ));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn restore_err(kvm: &Path, mem: &GuestMemoryMmap, state: &MachineState, what: &str) -> String {
+    match restore_machine(kvm, mem, state) {
+        Ok(_) => panic!("restore accepted a state with {what}"),
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                msg.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            msg
+        }
+    }
+}
+
+#[test]
+fn test_restore_refuses_invalid_state() {
+    let dir = scratch("invalid");
+    let log = dir.join("console.log");
+    let running = boot_counter(&log);
+    let h = running.handle();
+    wait_for_count(&log, 1);
+    h.pause().expect("pause");
+    let saved = h.save_state().expect("save");
+    let mem = copy_memory(h.guest_memory());
+    h.resume().expect("resume");
+    let kvm = Path::new("/dev/kvm");
+
+    let mut bad = saved.clone();
+    bad.vm.ioapic.chip_id = 0;
+    let err = restore_err(kvm, &mem, &bad, "swapped irqchip");
+    assert!(err.to_string().contains("irqchip"), "{err}");
+
+    let mut bad = saved.clone();
+    if let Some(x) = bad.vcpus[0].xsave.as_mut() {
+        x.region.truncate(10);
+    }
+    bad.vcpus[0].fpu = None;
+    let err = restore_err(kvm, &mem, &bad, "short xsave");
+    assert!(err.to_string().contains("XSAVE"), "{err}");
+
+    let mut bad = saved.clone();
+    bad.vcpus[0].index = 1;
+    restore_err(kvm, &mem, &bad, "wrong vCPU index");
+
+    let mut bad = saved;
+    bad.vcpus[0].msrs.push(kvm_bindings::kvm_msr_entry {
+        index: 0xdead_beef,
+        ..Default::default()
+    });
+    let err = restore_err(kvm, &mem, &bad, "unknown MSR");
+    assert!(err.to_string().contains("0xdeadbeef"), "{err}");
+    running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }

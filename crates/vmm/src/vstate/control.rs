@@ -22,6 +22,8 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Errors of pause, resume and save.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
+    #[error("The vm has exited ({0})")]
+    Exited(GuestExit),
     #[error("The vm is already paused")]
     AlreadyPaused,
     #[error("The vm is not paused")]
@@ -116,6 +118,7 @@ impl VmmHandle {
     /// and parks. Returns how long it took until the last vCPU parked.
     pub fn pause(&self) -> Result<Duration, ControlError> {
         let mut vcpus = self.lock();
+        self.check_running()?;
         if vcpus.paused {
             return Err(ControlError::AlreadyPaused);
         }
@@ -138,6 +141,7 @@ impl VmmHandle {
     /// Lets every parked vCPU run again.
     pub fn resume(&self) -> Result<(), ControlError> {
         let mut vcpus = self.lock();
+        self.check_running()?;
         if !vcpus.paused {
             return Err(ControlError::NotPaused);
         }
@@ -157,6 +161,7 @@ impl VmmHandle {
     /// VM-level state. Only while paused.
     pub fn save_state(&self) -> Result<MachineState, ControlError> {
         let vcpus = self.lock();
+        self.check_running()?;
         if !vcpus.paused {
             return Err(ControlError::NotPaused);
         }
@@ -174,6 +179,33 @@ impl VmmHandle {
             vcpus: states,
             vm: self.inner.vm.save_state()?,
         })
+    }
+
+    /// Ends the vm: reports [`GuestExit::Stopped`] (unless it already
+    /// exited), makes every vCPU thread leave KVM_RUN or its parking and
+    /// return, and joins them. Device threads are not stopped here.
+    pub fn stop(&self) {
+        self.inner.exit.notify(GuestExit::Stopped);
+        let mut vcpus = self.lock();
+        for t in &vcpus.threads {
+            if vcpus.paused {
+                let _ = t.requests.send(VcpuRequest::Resume);
+            }
+            t.kick();
+        }
+        vcpus.paused = false;
+        for t in std::mem::take(&mut vcpus.threads) {
+            if t.handle.join().is_err() {
+                tracing::error!("vcpu{}: thread panicked", t.index);
+            }
+        }
+    }
+
+    fn check_running(&self) -> Result<(), ControlError> {
+        match self.inner.exit.get() {
+            Some(exit) => Err(ControlError::Exited(exit)),
+            None => Ok(()),
+        }
     }
 
     /// Whether the vm is paused.
