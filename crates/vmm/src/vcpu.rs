@@ -40,6 +40,14 @@ const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
 /// Machine-check bank MSRs: host-specific and not state a guest can rely
 /// on across hosts (Firecracker leaves them out too).
 const MSR_MC_BANKS: std::ops::RangeInclusive<u32> = 0x400..=0x47f;
+/// MSRs KVM handles but may leave out of KVM_GET_MSR_INDEX_LIST, which a
+/// guest (or our boot path) sets: MTRR default type, the variable-range
+/// pairs and the fixed ranges (Firecracker adds these from CPUID too).
+const EXTRA_MSRS: &[u32] = &[
+    0x2ff, 0x200, 0x201, 0x202, 0x203, 0x204, 0x205, 0x206, 0x207, 0x208, 0x209, 0x20a, 0x20b,
+    0x20c, 0x20d, 0x20e, 0x20f, 0x250, 0x258, 0x259, 0x268, 0x269, 0x26a, 0x26b, 0x26c, 0x26d,
+    0x26e, 0x26f,
+];
 /// Bound on the immediate-exit re-entries that finish a string I/O before parking.
 const MAX_PARK_REENTRIES: usize = 4096;
 /// Tolerated TSC frequency difference on restore (QEMU/Firecracker use 250 ppm).
@@ -508,8 +516,10 @@ impl Vcpu {
             .copied()
             .filter(|i| !MSR_MC_BANKS.contains(i))
             .collect();
-        if !candidates.contains(&MSR_IA32_TSC) {
-            candidates.push(MSR_IA32_TSC);
+        for &extra in std::iter::once(&MSR_IA32_TSC).chain(EXTRA_MSRS) {
+            if !candidates.contains(&extra) {
+                candidates.push(extra);
+            }
         }
         let mut readable = Vec::with_capacity(candidates.len());
         let mut rest = candidates.as_slice();

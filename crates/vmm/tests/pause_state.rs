@@ -261,6 +261,15 @@ fn test_state_save_restore_save_is_equal() {
     );
     let saved_msrs: Vec<u32> = saved.vcpus[0].msrs.iter().map(|m| m.index).collect();
     assert!(saved_msrs.contains(&0x10), "TSC not saved: {saved_msrs:x?}");
+    // kvmclock MSRs (new and old numbers) are saved whenever KVM lists them.
+    for kvmclock in [0x4b56_4d00, 0x4b56_4d01, 0x11, 0x12] {
+        if vmm::vm::msr_index_list().contains(&kvmclock) {
+            assert!(saved_msrs.contains(&kvmclock), "{kvmclock:#x} not saved");
+        }
+    }
+    // The boot path sets MTRR_DEF_TYPE; it must survive a snapshot.
+    assert!(saved_msrs.contains(&0x2ff), "MTRR default type not saved");
+    println!("saved MSRs: {saved_msrs:x?}");
     assert!(saved.vcpus[0].xsave.is_some() || saved.vcpus[0].fpu.is_some());
     running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
