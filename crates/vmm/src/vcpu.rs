@@ -607,6 +607,9 @@ impl Vcpu {
         unblock_kick_signal();
         let immediate_exit: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         IMMEDIATE_EXIT.with(|p| p.set(immediate_exit));
+        // Declared after `self`, so dropped before it: the pointer is gone
+        // before the kvm_run mapping, even when unwinding.
+        let _clear = ClearImmediateExit;
         // Requests are looked at before every KVM_RUN, and only after the
         // pointer above is set: a request sent (and kicked) before that is
         // found here, one kicked after it makes KVM_RUN return at once.
@@ -621,7 +624,6 @@ impl Vcpu {
                 self.fd.set_kvm_immediate_exit(0);
             }
         }
-        IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));
     }
 
     /// Completes any pending I/O exit without running guest code, then
@@ -713,6 +715,15 @@ impl Vcpu {
             }
         }
         Ran::Exited
+    }
+}
+
+/// Clears this thread's kick target when the vCPU loop ends.
+struct ClearImmediateExit;
+
+impl Drop for ClearImmediateExit {
+    fn drop(&mut self) {
+        IMMEDIATE_EXIT.with(|p| p.set(std::ptr::null_mut()));
     }
 }
 
