@@ -245,13 +245,7 @@ fn test_state_save_restore_save_is_equal() {
     let mem = copy_memory(h.guest_memory());
     h.resume().expect("resume");
 
-    let started = Instant::now();
     let again = save_restored(&mem, &decoded);
-    println!(
-        "new VM + restore + save of 1 vCPU: {:?}; {} MSRs saved",
-        started.elapsed(),
-        saved.vcpus[0].msrs.len()
-    );
     let (a, b) = (strip_moving_clocks(&saved), strip_moving_clocks(&again));
     let mut differ = Vec::new();
     diff("", &a, &b, &mut differ);
