@@ -27,9 +27,14 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn boot_counter(log: &Path) -> RunningVmm {
+    boot_counter_with(log, 1)
+}
+
+fn boot_counter_with(log: &Path, vcpus: u8) -> RunningVmm {
     let config = VmConfig {
         kernel: guests::counter_path().into(),
         mem_mib: 64,
+        vcpus,
         console_log: Some(log.to_path_buf()),
         ..Default::default()
     };
@@ -384,6 +389,38 @@ fn test_restore_refuses_invalid_state() {
     });
     let err = restore_err(kvm, &mem, &bad, "unknown MSR");
     assert!(err.to_string().contains("0xdeadbeef"), "{err}");
+    running.handle().stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn test_state_round_trip_with_parked_application_processors() {
+    // The counter runs on vCPU 0; vCPUs 1 and 2 wait for INIT/SIPI inside
+    // KVM_RUN. Pausing must kick them out too, and their MP state survives.
+    let dir = scratch("aps");
+    let log = dir.join("console.log");
+    let running = boot_counter_with(&log, 3);
+    let h = running.handle();
+    wait_for_count(&log, 2);
+    h.pause().expect("pause");
+    let saved = h.save_state().expect("save");
+    let mem = copy_memory(h.guest_memory());
+    h.resume().expect("resume");
+    assert_eq!(saved.vcpus.len(), 3);
+    let again = save_restored(&mem, &saved);
+    let mut differ = Vec::new();
+    diff(
+        "",
+        &strip_moving_clocks(&saved),
+        &strip_moving_clocks(&again),
+        &mut differ,
+    );
+    assert!(
+        differ.is_empty(),
+        "state differs after a round trip at {differ:?}"
+    );
+    let n = *counts(&read(&log)).last().expect("a count");
+    assert_consecutive(&wait_for_count(&log, n + 1));
     running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
