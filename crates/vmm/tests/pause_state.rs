@@ -424,3 +424,18 @@ fn test_state_round_trip_with_parked_application_processors() {
     running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn test_pause_right_after_start() {
+    // The kick may arrive before the vCPU thread reached KVM_RUN: the request
+    // is then found before the first entry, and the guest has not run yet.
+    let dir = scratch("early");
+    let log = dir.join("console.log");
+    let running = boot_counter(&log);
+    let h = running.handle();
+    h.pause().expect("pause right after start");
+    h.resume().expect("resume");
+    wait_for_count(&log, 1);
+    running.handle().stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
