@@ -8,59 +8,9 @@
 mod common;
 
 use std::io::Write;
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 
-use common::{kvm_available, tine, TempDir};
-
-struct Home(TempDir);
-
-impl Home {
-    fn new(tag: &str) -> Self {
-        let dir = TempDir::new(tag);
-        let cache = std::env::var_os("TINE_HOME")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| {
-                std::path::PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/tine")
-            });
-        std::os::unix::fs::symlink(cache.join("images"), dir.path().join("images"))
-            .expect("link images");
-        Self(dir)
-    }
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = tine();
-        c.args(args).env("TINE_HOME", self.0.path());
-        c
-    }
-    fn out(&self, args: &[&str]) -> Output {
-        self.cmd(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run tine")
-    }
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.out(args);
-        assert!(
-            out.status.success(),
-            "tine {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-    fn ls(&self) -> Vec<serde_json::Value> {
-        serde_json::from_str(&self.ok(&["ls", "--json"])).expect("json")
-    }
-}
-
-impl Drop for Home {
-    fn drop(&mut self) {
-        // Never leave a VMM running behind a failed test.
-        for row in self.ls() {
-            if let Some(name) = row["name"].as_str() {
-                let _ = self.out(&["rm", "--force", name]);
-            }
-        }
-    }
-}
+use common::{kvm_available, Home, TempDir};
 
 #[test]
 fn test_exec_cp_and_lifecycle_through_the_agent() {

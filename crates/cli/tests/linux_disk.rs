@@ -8,55 +8,11 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, tine, TempDir};
-
-struct Home(TempDir);
-
-impl Home {
-    fn new(tag: &str) -> Self {
-        let dir = TempDir::new(tag);
-        let cache = std::env::var_os("TINE_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/tine")
-            });
-        std::os::unix::fs::symlink(cache.join("images"), dir.path().join("images"))
-            .expect("link images");
-        Self(dir)
-    }
-    fn out(&self, args: &[&str]) -> Output {
-        tine()
-            .args(args)
-            .env("TINE_HOME", self.0.path())
-            .stdin(Stdio::null())
-            .output()
-            .expect("tine")
-    }
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.out(args);
-        assert!(
-            out.status.success(),
-            "tine {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-    fn top(&self, vm: &str) -> PathBuf {
-        self.0.path().join("vms").join(vm).join("disk0.qcow2")
-    }
-}
-
-impl Drop for Home {
-    fn drop(&mut self) {
-        for vm in ["w", "c1", "c2", "crash"] {
-            let _ = self.out(&["rm", "--force", vm]);
-        }
-    }
-}
+use common::{kvm_available, tine, Home, TempDir};
 
 fn hash(p: &Path) -> String {
     blake3::hash(&std::fs::read(p).expect("read"))

@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
@@ -175,5 +175,64 @@ impl Drop for RunningVm {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A temporary TINE_HOME for Linux-guest tests: vms live in it, while its
+/// `images` points at the real image cache (scripts/test builds the images).
+/// Every vm still there is removed on drop, so no VMM outlives a failed test.
+pub struct Home(pub TempDir);
+
+impl Home {
+    pub fn new(tag: &str) -> Self {
+        let dir = TempDir::new(tag);
+        let cache = std::env::var_os("TINE_HOME")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/tine")
+            });
+        std::os::unix::fs::symlink(cache.join("images"), dir.path().join("images"))
+            .expect("link images");
+        Self(dir)
+    }
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = tine();
+        c.args(args).env("TINE_HOME", self.0.path());
+        c
+    }
+    pub fn out(&self, args: &[&str]) -> Output {
+        self.cmd(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run tine")
+    }
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.out(args);
+        assert!(
+            out.status.success(),
+            "tine {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+    pub fn ls(&self) -> Vec<serde_json::Value> {
+        serde_json::from_str(&self.ok(&["ls", "--json"])).expect("json")
+    }
+    /// The vm's own top layer of its first disk.
+    pub fn top(&self, vm: &str) -> std::path::PathBuf {
+        self.0.path().join("vms").join(vm).join("disk0.qcow2")
+    }
+}
+
+impl Drop for Home {
+    fn drop(&mut self) {
+        // Never leave a VMM running behind a failed test.
+        let out = self.out(&["ls", "--json"]);
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        for row in rows {
+            if let Some(name) = row["name"].as_str() {
+                let _ = self.out(&["rm", "--force", name]);
+            }
+        }
     }
 }
