@@ -23,11 +23,13 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use protocol::{ExecRequest, Hello};
 use serde::{Deserialize, Serialize};
+
+use crate::state::{now_ms, ProcStat};
 
 /// The testhost scripts, one source of truth for the QEMU/initramfs recipe.
 const SCRIPTS: [(&str, &str); 3] = [
@@ -257,13 +259,6 @@ fn dir(home: &Path) -> PathBuf {
     home.join("machine")
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 fn load(home: &Path) -> Option<SavedState> {
     let text = fs::read(dir(home).join("state.json")).ok()?;
     serde_json::from_slice(&text).ok()
@@ -272,21 +267,7 @@ fn load(home: &Path) -> Option<SavedState> {
 /// `pid` is alive (not a zombie) and its command name starts with `comm`
 /// (so a reused pid of another program is never taken for ours).
 fn alive(pid: u32, comm: &str) -> bool {
-    // /proc/PID/stat: "pid (comm) state ..."; comm may hold ')' itself.
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-        return false;
-    };
-    let name = stat.get(open + 1..close).unwrap_or("");
-    let state = stat
-        .get(close + 1..)
-        .unwrap_or("")
-        .trim_start()
-        .chars()
-        .next();
-    name.starts_with(comm) && !matches!(state, Some('Z') | Some('X') | None)
+    ProcStat::read(pid).is_some_and(|s| !s.is_exited() && s.comm.starts_with(comm))
 }
 
 const QEMU_COMM: &str = "qemu-system";

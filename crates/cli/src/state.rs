@@ -166,25 +166,47 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The few fields of /proc/PID/stat that tine checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Command name (field 2).
+    pub comm: String,
+    /// State letter (field 3): R, S, D, Z, X, ...
+    pub state: char,
+    /// Start time in clock ticks since boot (field 22).
+    pub start: u64,
+}
+
+impl ProcStat {
+    /// Reads /proc/PID/stat; None when the process is gone.
+    pub fn read(pid: u32) -> Option<Self> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // "pid (comm) state ...": comm may hold spaces and ')', so split at
+        // the first '(' and the last ')'.
+        let open = stat.find('(')?;
+        let close = stat.rfind(')')?;
+        let comm = stat.get(open + 1..close)?.to_string();
+        let mut rest = stat.get(close + 1..)?.split_whitespace();
+        let state = rest.next()?.chars().next()?;
+        let start = rest.nth(18)?.parse().ok()?;
+        Some(Self { comm, state, start })
+    }
+
+    /// A zombie or dead process has exited; only its entry remains.
+    pub fn is_exited(&self) -> bool {
+        matches!(self.state, 'Z' | 'X')
+    }
+}
+
 /// Start time of a process (field 22 of /proc/PID/stat), if it exists.
 pub fn process_start(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces; fields after it follow ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    ProcStat::read(pid).map(|s| s.start)
 }
 
 /// Whether `pid` is alive and is the same process that started at `start`
 /// (a zombie counts as gone).
 pub fn process_alive(pid: u32, start: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let zombie = stat
-        .rfind(')')
-        .and_then(|i| stat.get(i + 2..i + 3))
-        .is_some_and(|s| s == "Z");
-    !zombie && process_start(pid) == Some(start)
+    ProcStat::read(pid).is_some_and(|s| !s.is_exited() && s.start == start)
 }
 
 /// Resident memory of a process in KiB.
@@ -222,6 +244,14 @@ mod tests {
         for bad in ["", "../x", "a/b", "-x", ".x", "a b", &"x".repeat(49)] {
             assert!(validate_name(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn test_proc_stat_reads_own_process() {
+        let me = ProcStat::read(std::process::id()).expect("own stat");
+        assert!(!me.comm.is_empty());
+        assert!(!me.is_exited());
+        assert!(me.start > 0);
     }
 
     #[test]
