@@ -7,6 +7,8 @@
 //! serde data defined next to their owners; only this crate knows how they
 //! are framed and which versions a loader accepts.
 
+pub mod compat;
+
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 

@@ -1,0 +1,600 @@
+//! The compatibility manifest (ARCHITECTURE.md "Compatibility manifest"):
+//! what a snapshot needs from the host that restores it, what a host offers,
+//! and the check restore runs first, which names every mismatch at once.
+//!
+//! Plain data and logic only: the VMM fills [`Compat`] from the saved vCPU
+//! state and [`HostCompat`] from /dev/kvm.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use Register::{Eax, Ebx, Ecx, Edx};
+
+/// KVM_CPUID_FLAG_SIGNIFCANT_INDEX: the entry applies to one sub-leaf only.
+pub const CPUID_FLAG_SIGNIFICANT_INDEX: u32 = 1;
+
+/// One CPUID entry (the fields of `kvm_cpuid_entry2`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuidEntry {
+    pub function: u32,
+    pub index: u32,
+    pub flags: u32,
+    pub eax: u32,
+    pub ebx: u32,
+    pub ecx: u32,
+    pub edx: u32,
+}
+
+impl CpuidEntry {
+    fn get(&self, reg: Register) -> u32 {
+        match reg {
+            Register::Eax => self.eax,
+            Register::Ebx => self.ebx,
+            Register::Ecx => self.ecx,
+            Register::Edx => self.edx,
+        }
+    }
+
+    fn matches(&self, function: u32, index: u32) -> bool {
+        self.function == function
+            && (self.index == index || self.flags & CPUID_FLAG_SIGNIFICANT_INDEX == 0)
+    }
+}
+
+/// A KVM capability (KVM_CAP_* name and number).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvmCap {
+    pub name: String,
+    pub number: u32,
+}
+
+/// What a snapshot needs, recorded when it is taken.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Compat {
+    /// The tine that wrote the snapshot.
+    pub tine_version: String,
+    /// [`crate::FORMAT_VERSION`] of that tine.
+    pub format_version: u32,
+    /// `uname -r` of the host that took it (informational).
+    pub host_kernel: String,
+    /// CPUID leaf 0 vendor string the guest saw ("GenuineIntel").
+    pub cpu_vendor: String,
+    /// CPUID the guest saw (the boot vCPU's; tine gives every vCPU the same
+    /// features and differs only in topology).
+    pub cpuid: Vec<CpuidEntry>,
+    /// Indices of the saved MSRs the saving host's KVM lists; MSRs tine
+    /// saves that KVM emulates on every host are left out.
+    pub msrs: Vec<u32>,
+    /// KVM capabilities restoring this state needs.
+    pub caps: Vec<KvmCap>,
+    /// Devices in bus order, as "virtio-blk", "virtio-net", ...
+    pub devices: Vec<String>,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+}
+
+/// What this host (and this tine) offers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostCompat {
+    pub tine_version: String,
+    /// The state format this tine reads.
+    pub format_version: u32,
+    /// `uname -r`.
+    pub kernel: String,
+    /// CPUID leaf 0 vendor string.
+    pub cpu_vendor: String,
+    /// KVM_GET_SUPPORTED_CPUID.
+    pub cpuid: Vec<CpuidEntry>,
+    /// KVM_GET_MSR_INDEX_LIST.
+    pub msrs: Vec<u32>,
+    /// The capabilities this host's KVM has (among those tine asks about).
+    pub caps: Vec<KvmCap>,
+}
+
+/// What a restore asks for; `None` takes the snapshot's value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestoreRequest {
+    pub devices: Option<Vec<String>>,
+    pub mem_mib: Option<u64>,
+    pub vcpus: Option<u8>,
+}
+
+/// A CPUID output register.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Register {
+    Eax,
+    Ebx,
+    Ecx,
+    Edx,
+}
+
+impl fmt::Display for Register {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Register::Eax => "EAX",
+            Register::Ebx => "EBX",
+            Register::Ecx => "ECX",
+            Register::Edx => "EDX",
+        })
+    }
+}
+
+/// One CPUID bit, shown as `CPUID.(EAX=7,ECX=0):EBX bit 5`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct CpuidBit {
+    pub function: u32,
+    pub index: u32,
+    pub register: Register,
+    pub bit: u32,
+}
+
+impl fmt::Display for CpuidBit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CPUID.(EAX={:#x},ECX={}):{} bit {}",
+            self.function, self.index, self.register, self.bit
+        )
+    }
+}
+
+/// One reason a snapshot cannot be restored here.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum Mismatch {
+    FormatVersion {
+        snapshot: u32,
+        snapshot_tine: String,
+        host: u32,
+        host_tine: String,
+    },
+    Vendor {
+        snapshot: String,
+        host: String,
+    },
+    /// The guest saw a CPU feature this host's KVM does not offer.
+    CpuFeature {
+        name: Option<&'static str>,
+        bit: CpuidBit,
+    },
+    /// A saved MSR this host's KVM does not list.
+    Msr {
+        index: u32,
+    },
+    /// A KVM capability restore needs.
+    Cap(KvmCap),
+    Devices {
+        snapshot: Vec<String>,
+        requested: Vec<String>,
+    },
+    Memory {
+        snapshot: u64,
+        requested: u64,
+    },
+    Vcpus {
+        snapshot: u8,
+        requested: u8,
+    },
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::FormatVersion {
+                snapshot,
+                snapshot_tine,
+                host,
+                host_tine,
+            } => write!(
+                f,
+                "state format: the snapshot needs format {snapshot} (written by tine {snapshot_tine}); this tine {host_tine} reads format {host}"
+            ),
+            Mismatch::Vendor { snapshot, host } => write!(
+                f,
+                "CPU vendor: the snapshot needs {snapshot}; this host has {host}"
+            ),
+            Mismatch::CpuFeature { name, bit } => {
+                match name {
+                    Some(name) => write!(f, "CPU feature {name} ({bit})")?,
+                    None => write!(f, "CPU feature {bit}")?,
+                }
+                f.write_str(": the snapshot's guest uses it; this host's KVM does not offer it")
+            }
+            Mismatch::Msr { index } => {
+                write!(f, "MSR {index:#x}")?;
+                if let Some(name) = msr_name(*index) {
+                    write!(f, " ({name})")?;
+                }
+                f.write_str(": the snapshot saved it; this host's KVM cannot restore it")
+            }
+            Mismatch::Cap(cap) => write!(
+                f,
+                "KVM capability {} ({}): restore needs it; this host's KVM does not have it",
+                cap.name, cap.number
+            ),
+            Mismatch::Devices {
+                snapshot,
+                requested,
+            } => write!(
+                f,
+                "device layout: the snapshot has [{}]; the restore asks for [{}]",
+                snapshot.join(", "),
+                requested.join(", ")
+            ),
+            Mismatch::Memory {
+                snapshot,
+                requested,
+            } => write!(
+                f,
+                "memory: the snapshot has {snapshot} MiB; the restore asks for {requested} MiB"
+            ),
+            Mismatch::Vcpus {
+                snapshot,
+                requested,
+            } => write!(
+                f,
+                "vCPUs: the snapshot has {snapshot}; the restore asks for {requested}"
+            ),
+        }
+    }
+}
+
+/// A snapshot that cannot be restored on this host, with every reason.
+#[derive(Debug, thiserror::Error)]
+pub struct CompatError {
+    pub mismatches: Vec<Mismatch>,
+    /// Kernel of the host that took the snapshot and of this one (for the advice).
+    pub snapshot_kernel: String,
+    pub host_kernel: String,
+}
+
+impl fmt::Display for CompatError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.mismatches.len();
+        writeln!(
+            f,
+            "This snapshot cannot be restored on this host ({n} mismatch{}):",
+            if n == 1 { "" } else { "es" }
+        )?;
+        for m in &self.mismatches {
+            writeln!(f, "  - {m}")?;
+        }
+        let has = |p: fn(&Mismatch) -> bool| self.mismatches.iter().any(p);
+        let mut advice = Vec::new();
+        if let Some(Mismatch::FormatVersion {
+            snapshot,
+            snapshot_tine,
+            ..
+        }) = self
+            .mismatches
+            .iter()
+            .find(|m| matches!(m, Mismatch::FormatVersion { .. }))
+        {
+            advice.push(format!(
+                "restore with tine {snapshot_tine} (or another tine that reads format {snapshot})"
+            ));
+        }
+        if has(|m| matches!(m, Mismatch::Vendor { .. } | Mismatch::CpuFeature { .. })) {
+            advice.push(
+                "restore on a host with these CPU features (same vendor), or take the snapshot with a CPU template this host satisfies"
+                    .to_string(),
+            );
+        }
+        if has(|m| matches!(m, Mismatch::Msr { .. } | Mismatch::Cap(_))) {
+            advice.push(format!(
+                "restore on a host whose kernel's KVM has these (the snapshot was taken on Linux {}, this host runs {})",
+                self.snapshot_kernel, self.host_kernel
+            ));
+        }
+        if has(|m| {
+            matches!(
+                m,
+                Mismatch::Devices { .. } | Mismatch::Memory { .. } | Mismatch::Vcpus { .. }
+            )
+        }) {
+            advice.push(
+                "restore without overriding devices, memory or vCPUs (the snapshot's are used), or take a new snapshot with the ones you need"
+                    .to_string(),
+            );
+        }
+        f.write_str("What to do:")?;
+        for a in advice {
+            write!(f, "\n  * {a}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks `saved` against what `host` offers (device layout, memory and
+/// vCPU count are the snapshot's own).
+pub fn check(saved: &Compat, host: &HostCompat) -> Result<(), CompatError> {
+    check_restore(saved, host, &RestoreRequest::default())
+}
+
+/// Checks `saved` against `host` and against what the restore asks for.
+/// Every mismatch is collected before returning.
+pub fn check_restore(
+    saved: &Compat,
+    host: &HostCompat,
+    request: &RestoreRequest,
+) -> Result<(), CompatError> {
+    let mut out = Vec::new();
+    if saved.format_version != host.format_version {
+        out.push(Mismatch::FormatVersion {
+            snapshot: saved.format_version,
+            snapshot_tine: saved.tine_version.clone(),
+            host: host.format_version,
+            host_tine: host.tine_version.clone(),
+        });
+    }
+    if saved.cpu_vendor != host.cpu_vendor {
+        out.push(Mismatch::Vendor {
+            snapshot: saved.cpu_vendor.clone(),
+            host: host.cpu_vendor.clone(),
+        });
+    }
+    out.extend(
+        missing_cpu_features(&saved.cpuid, &host.cpuid)
+            .into_iter()
+            .map(|bit| Mismatch::CpuFeature {
+                name: feature_name(bit),
+                bit,
+            }),
+    );
+    out.extend(
+        saved
+            .msrs
+            .iter()
+            .filter(|i| !host.msrs.contains(i))
+            .map(|&index| Mismatch::Msr { index }),
+    );
+    out.extend(
+        saved
+            .caps
+            .iter()
+            .filter(|c| !host.caps.iter().any(|h| h.number == c.number))
+            .cloned()
+            .map(Mismatch::Cap),
+    );
+    if let Some(devices) = &request.devices {
+        if *devices != saved.devices {
+            out.push(Mismatch::Devices {
+                snapshot: saved.devices.clone(),
+                requested: devices.clone(),
+            });
+        }
+    }
+    if let Some(mem) = request.mem_mib {
+        if mem != saved.mem_mib {
+            out.push(Mismatch::Memory {
+                snapshot: saved.mem_mib,
+                requested: mem,
+            });
+        }
+    }
+    if let Some(vcpus) = request.vcpus {
+        if vcpus != saved.vcpus {
+            out.push(Mismatch::Vcpus {
+                snapshot: saved.vcpus,
+                requested: vcpus,
+            });
+        }
+    }
+    if out.is_empty() {
+        Ok(())
+    } else {
+        Err(CompatError {
+            mismatches: out,
+            snapshot_kernel: saved.host_kernel.clone(),
+            host_kernel: host.kernel.clone(),
+        })
+    }
+}
+
+/// The feature registers checked: (leaf, sub-leaf, register, bits to skip).
+/// Skipped bits are not host features: OSXSAVE and OSPKE mirror the
+/// guest's CR4, HYPERVISOR and HTT are set by tine's CPUID filter.
+const FEATURE_REGISTERS: &[(u32, u32, Register, u32)] = &[
+    (0x1, 0, Register::Ecx, (1 << 27) | (1 << 31)),
+    (0x1, 0, Register::Edx, 1 << 28),
+    (0x7, 0, Register::Ebx, 0),
+    (0x7, 0, Register::Ecx, 1 << 4),
+    (0x7, 0, Register::Edx, 0),
+    (0x7, 1, Register::Eax, 0),
+    // XSAVE state components (XCR0 bits): a saved XSAVE area with a
+    // component this host lacks cannot be loaded.
+    (0xd, 0, Register::Eax, 0),
+    (0xd, 1, Register::Eax, 0),
+    (0x8000_0001, 0, Register::Ecx, 0),
+    (0x8000_0001, 0, Register::Edx, 0),
+    (0x8000_0007, 0, Register::Edx, 0),
+    (0x8000_0008, 0, Register::Ebx, 0),
+];
+
+/// Every bit of [`FEATURE_REGISTERS`] set in `guest` and clear in `host`
+/// (a leaf the host lacks offers nothing).
+pub fn missing_cpu_features(guest: &[CpuidEntry], host: &[CpuidEntry]) -> Vec<CpuidBit> {
+    let mut out = Vec::new();
+    for &(function, index, register, skip) in FEATURE_REGISTERS {
+        let Some(g) = guest.iter().find(|e| e.matches(function, index)) else {
+            continue;
+        };
+        let offered = host
+            .iter()
+            .find(|e| e.matches(function, index))
+            .map_or(0, |e| e.get(register));
+        let missing = g.get(register) & !skip & !offered;
+        out.extend(
+            (0..32)
+                .filter(|b| missing & (1 << b) != 0)
+                .map(|bit| CpuidBit {
+                    function,
+                    index,
+                    register,
+                    bit,
+                }),
+        );
+    }
+    out
+}
+
+/// Linux's name for a feature bit, where it has a common one.
+pub fn feature_name(bit: CpuidBit) -> Option<&'static str> {
+    FEATURE_NAMES
+        .iter()
+        .find(|&&(f, i, r, b, _)| {
+            f == bit.function && i == bit.index && r == bit.register && b == bit.bit
+        })
+        .map(|e| e.4)
+}
+
+/// (leaf, sub-leaf, register, bit, name), names as in /proc/cpuinfo.
+const FEATURE_NAMES: &[(u32, u32, Register, u32, &str)] = &[
+    (0x1, 0, Ecx, 0, "sse3"),
+    (0x1, 0, Ecx, 1, "pclmulqdq"),
+    (0x1, 0, Ecx, 3, "monitor"),
+    (0x1, 0, Ecx, 5, "vmx"),
+    (0x1, 0, Ecx, 9, "ssse3"),
+    (0x1, 0, Ecx, 12, "fma"),
+    (0x1, 0, Ecx, 13, "cx16"),
+    (0x1, 0, Ecx, 17, "pcid"),
+    (0x1, 0, Ecx, 19, "sse4_1"),
+    (0x1, 0, Ecx, 20, "sse4_2"),
+    (0x1, 0, Ecx, 21, "x2apic"),
+    (0x1, 0, Ecx, 22, "movbe"),
+    (0x1, 0, Ecx, 23, "popcnt"),
+    (0x1, 0, Ecx, 24, "tsc_deadline_timer"),
+    (0x1, 0, Ecx, 25, "aes"),
+    (0x1, 0, Ecx, 26, "xsave"),
+    (0x1, 0, Ecx, 28, "avx"),
+    (0x1, 0, Ecx, 29, "f16c"),
+    (0x1, 0, Ecx, 30, "rdrand"),
+    (0x1, 0, Edx, 0, "fpu"),
+    (0x1, 0, Edx, 3, "pse"),
+    (0x1, 0, Edx, 4, "tsc"),
+    (0x1, 0, Edx, 5, "msr"),
+    (0x1, 0, Edx, 6, "pae"),
+    (0x1, 0, Edx, 8, "cx8"),
+    (0x1, 0, Edx, 9, "apic"),
+    (0x1, 0, Edx, 11, "sep"),
+    (0x1, 0, Edx, 12, "mtrr"),
+    (0x1, 0, Edx, 13, "pge"),
+    (0x1, 0, Edx, 15, "cmov"),
+    (0x1, 0, Edx, 16, "pat"),
+    (0x1, 0, Edx, 19, "clflush"),
+    (0x1, 0, Edx, 23, "mmx"),
+    (0x1, 0, Edx, 24, "fxsr"),
+    (0x1, 0, Edx, 25, "sse"),
+    (0x1, 0, Edx, 26, "sse2"),
+    (0x7, 0, Ebx, 0, "fsgsbase"),
+    (0x7, 0, Ebx, 1, "tsc_adjust"),
+    (0x7, 0, Ebx, 3, "bmi1"),
+    (0x7, 0, Ebx, 4, "hle"),
+    (0x7, 0, Ebx, 5, "avx2"),
+    (0x7, 0, Ebx, 7, "smep"),
+    (0x7, 0, Ebx, 8, "bmi2"),
+    (0x7, 0, Ebx, 9, "erms"),
+    (0x7, 0, Ebx, 10, "invpcid"),
+    (0x7, 0, Ebx, 11, "rtm"),
+    (0x7, 0, Ebx, 14, "mpx"),
+    (0x7, 0, Ebx, 16, "avx512f"),
+    (0x7, 0, Ebx, 17, "avx512dq"),
+    (0x7, 0, Ebx, 18, "rdseed"),
+    (0x7, 0, Ebx, 19, "adx"),
+    (0x7, 0, Ebx, 20, "smap"),
+    (0x7, 0, Ebx, 21, "avx512ifma"),
+    (0x7, 0, Ebx, 23, "clflushopt"),
+    (0x7, 0, Ebx, 24, "clwb"),
+    (0x7, 0, Ebx, 28, "avx512cd"),
+    (0x7, 0, Ebx, 29, "sha_ni"),
+    (0x7, 0, Ebx, 30, "avx512bw"),
+    (0x7, 0, Ebx, 31, "avx512vl"),
+    (0x7, 0, Ecx, 1, "avx512vbmi"),
+    (0x7, 0, Ecx, 2, "umip"),
+    (0x7, 0, Ecx, 3, "pku"),
+    (0x7, 0, Ecx, 5, "waitpkg"),
+    (0x7, 0, Ecx, 6, "avx512_vbmi2"),
+    (0x7, 0, Ecx, 8, "gfni"),
+    (0x7, 0, Ecx, 9, "vaes"),
+    (0x7, 0, Ecx, 10, "vpclmulqdq"),
+    (0x7, 0, Ecx, 11, "avx512_vnni"),
+    (0x7, 0, Ecx, 12, "avx512_bitalg"),
+    (0x7, 0, Ecx, 14, "avx512_vpopcntdq"),
+    (0x7, 0, Ecx, 16, "la57"),
+    (0x7, 0, Ecx, 22, "rdpid"),
+    (0x7, 0, Ecx, 25, "cldemote"),
+    (0x7, 0, Ecx, 27, "movdiri"),
+    (0x7, 0, Ecx, 28, "movdir64b"),
+    (0x7, 0, Edx, 4, "fsrm"),
+    (0x7, 0, Edx, 8, "avx512_vp2intersect"),
+    (0x7, 0, Edx, 10, "md_clear"),
+    (0x7, 0, Edx, 14, "serialize"),
+    (0x7, 0, Edx, 16, "tsxldtrk"),
+    (0x7, 0, Edx, 22, "amx_bf16"),
+    (0x7, 0, Edx, 23, "avx512_fp16"),
+    (0x7, 0, Edx, 24, "amx_tile"),
+    (0x7, 0, Edx, 25, "amx_int8"),
+    (0x7, 0, Edx, 26, "spec_ctrl"),
+    (0x7, 0, Edx, 27, "intel_stibp"),
+    (0x7, 0, Edx, 28, "flush_l1d"),
+    (0x7, 0, Edx, 29, "arch_capabilities"),
+    (0x7, 0, Edx, 31, "ssbd"),
+    (0x7, 1, Eax, 4, "avx_vnni"),
+    (0x7, 1, Eax, 5, "avx512_bf16"),
+    (0x7, 1, Eax, 26, "lam"),
+    (0xd, 0, Eax, 0, "xsave state x87"),
+    (0xd, 0, Eax, 1, "xsave state sse"),
+    (0xd, 0, Eax, 2, "xsave state avx"),
+    (0xd, 0, Eax, 3, "xsave state mpx bndregs"),
+    (0xd, 0, Eax, 4, "xsave state mpx bndcsr"),
+    (0xd, 0, Eax, 5, "xsave state avx512 opmask"),
+    (0xd, 0, Eax, 6, "xsave state avx512 zmm_hi256"),
+    (0xd, 0, Eax, 7, "xsave state avx512 hi16_zmm"),
+    (0xd, 0, Eax, 9, "xsave state pkru"),
+    (0xd, 0, Eax, 17, "xsave state amx tilecfg"),
+    (0xd, 0, Eax, 18, "xsave state amx tiledata"),
+    (0xd, 1, Eax, 0, "xsaveopt"),
+    (0xd, 1, Eax, 1, "xsavec"),
+    (0xd, 1, Eax, 2, "xgetbv1"),
+    (0xd, 1, Eax, 3, "xsaves"),
+    (0xd, 1, Eax, 4, "xfd"),
+    (0x8000_0001, 0, Ecx, 0, "lahf_lm"),
+    (0x8000_0001, 0, Ecx, 2, "svm"),
+    (0x8000_0001, 0, Ecx, 5, "abm"),
+    (0x8000_0001, 0, Ecx, 6, "sse4a"),
+    (0x8000_0001, 0, Ecx, 8, "3dnowprefetch"),
+    (0x8000_0001, 0, Ecx, 11, "xop"),
+    (0x8000_0001, 0, Ecx, 16, "fma4"),
+    (0x8000_0001, 0, Ecx, 21, "tbm"),
+    (0x8000_0001, 0, Edx, 11, "syscall"),
+    (0x8000_0001, 0, Edx, 20, "nx"),
+    (0x8000_0001, 0, Edx, 26, "pdpe1gb (1 GiB pages)"),
+    (0x8000_0001, 0, Edx, 27, "rdtscp"),
+    (0x8000_0001, 0, Edx, 29, "lm"),
+    (0x8000_0007, 0, Edx, 8, "invtsc"),
+    (0x8000_0008, 0, Ebx, 0, "clzero"),
+    (0x8000_0008, 0, Ebx, 9, "wbnoinvd"),
+    (0x8000_0008, 0, Ebx, 12, "amd_ibpb"),
+    (0x8000_0008, 0, Ebx, 14, "amd_ibrs"),
+    (0x8000_0008, 0, Ebx, 15, "amd_stibp"),
+    (0x8000_0008, 0, Ebx, 24, "amd_ssbd"),
+    (0x8000_0008, 0, Ebx, 25, "virt_ssbd"),
+];
+
+/// Names of MSRs a mismatch commonly involves.
+fn msr_name(index: u32) -> Option<&'static str> {
+    Some(match index {
+        0x10 => "IA32_TSC",
+        0x3a => "IA32_FEATURE_CONTROL",
+        0x3b => "IA32_TSC_ADJUST",
+        0x48 => "IA32_SPEC_CTRL",
+        0x10a => "IA32_ARCH_CAPABILITIES",
+        0x1a0 => "IA32_MISC_ENABLE",
+        0x6e0 => "IA32_TSC_DEADLINE",
+        0xc000_0080 => "EFER",
+        0xc000_0103 => "TSC_AUX",
+        0xda0 => "IA32_XSS",
+        0x4b56_4d00..=0x4b56_4dff => "KVM paravirtual MSR",
+        _ => return None,
+    })
+}
