@@ -11,6 +11,12 @@ use serde::{Deserialize, Serialize};
 
 use Register::{Eax, Ebx, Ecx, Edx};
 
+/// TSC frequencies closer than this are the same (QEMU and Firecracker
+/// use 250 ppm; tine's restore too).
+pub const TSC_KHZ_TOLERANCE_PPM: u64 = 250;
+/// KVM_CAP_TSC_CONTROL: lets restore give the guest its saved TSC rate.
+pub const CAP_TSC_CONTROL: u32 = 60;
+
 /// KVM_CPUID_FLAG_SIGNIFCANT_INDEX: the entry applies to one sub-leaf only.
 pub const CPUID_FLAG_SIGNIFICANT_INDEX: u32 = 1;
 
@@ -33,6 +39,15 @@ impl CpuidEntry {
             Register::Ebx => self.ebx,
             Register::Ecx => self.ecx,
             Register::Edx => self.edx,
+        }
+    }
+
+    fn get_mut(&mut self, reg: Register) -> &mut u32 {
+        match reg {
+            Register::Eax => &mut self.eax,
+            Register::Ebx => &mut self.ebx,
+            Register::Ecx => &mut self.ecx,
+            Register::Edx => &mut self.edx,
         }
     }
 
@@ -68,6 +83,8 @@ pub struct Compat {
     pub msrs: Vec<u32>,
     /// KVM capabilities restoring this state needs.
     pub caps: Vec<KvmCap>,
+    /// The guest's TSC frequency, if KVM reported it.
+    pub tsc_khz: Option<u32>,
     /// Devices in bus order, as "virtio-blk", "virtio-net", ...
     pub devices: Vec<String>,
     pub mem_mib: u64,
@@ -90,6 +107,8 @@ pub struct HostCompat {
     pub msrs: Vec<u32>,
     /// The capabilities this host's KVM has (among those tine asks about).
     pub caps: Vec<KvmCap>,
+    /// A new vCPU's TSC frequency, if KVM reports it.
+    pub tsc_khz: Option<u32>,
 }
 
 /// What a restore asks for; `None` takes the snapshot's value.
@@ -163,6 +182,11 @@ pub enum Mismatch {
     },
     /// A KVM capability restore needs.
     Cap(KvmCap),
+    /// The guest's TSC runs at another rate and this host cannot scale it.
+    TscFrequency {
+        snapshot: u32,
+        host: u32,
+    },
     Devices {
         snapshot: Vec<String>,
         requested: Vec<String>,
@@ -211,6 +235,10 @@ impl fmt::Display for Mismatch {
                 f,
                 "KVM capability {} ({}): restore needs it; this host's KVM does not have it",
                 cap.name, cap.number
+            ),
+            Mismatch::TscFrequency { snapshot, host } => write!(
+                f,
+                "TSC frequency: the snapshot needs {snapshot} kHz; this host runs at {host} kHz and its KVM cannot scale it (no KVM_CAP_TSC_CONTROL)"
             ),
             Mismatch::Devices {
                 snapshot,
@@ -280,7 +308,12 @@ impl fmt::Display for CompatError {
                     .to_string(),
             );
         }
-        if has(|m| matches!(m, Mismatch::Msr { .. } | Mismatch::Cap(_))) {
+        if has(|m| {
+            matches!(
+                m,
+                Mismatch::Msr { .. } | Mismatch::Cap(_) | Mismatch::TscFrequency { .. }
+            )
+        }) {
             advice.push(format!(
                 "restore on a host whose kernel's KVM has these (the snapshot was taken on Linux {}, this host runs {})",
                 self.snapshot_kernel, self.host_kernel
@@ -356,6 +389,16 @@ pub fn check_restore(
             .cloned()
             .map(Mismatch::Cap),
     );
+    if let (Some(snapshot), Some(host_khz)) = (saved.tsc_khz, host.tsc_khz) {
+        let diff = u64::from(snapshot.abs_diff(host_khz));
+        let scales = host.caps.iter().any(|c| c.number == CAP_TSC_CONTROL);
+        if diff * 1_000_000 > u64::from(snapshot) * TSC_KHZ_TOLERANCE_PPM && !scales {
+            out.push(Mismatch::TscFrequency {
+                snapshot,
+                host: host_khz,
+            });
+        }
+    }
     if let Some(devices) = &request.devices {
         if *devices != saved.devices {
             out.push(Mismatch::Devices {
@@ -410,6 +453,33 @@ const FEATURE_REGISTERS: &[(u32, u32, Register, u32)] = &[
     (0x8000_0007, 0, Register::Edx, 0),
     (0x8000_0008, 0, Register::Ebx, 0),
 ];
+
+/// ORs the feature bits of `from` into `into` (registers outside
+/// [`FEATURE_REGISTERS`] are left alone; a feature leaf `into` lacks is
+/// added with only its feature registers). For a host whose vCPUs get more
+/// features than KVM_GET_SUPPORTED_CPUID lists (PVM passes the hardware's
+/// through): `from` is what a vCPU reads back after KVM_SET_CPUID2.
+pub fn merge_features(into: &mut Vec<CpuidEntry>, from: &[CpuidEntry]) {
+    for &(function, index, register, _) in FEATURE_REGISTERS {
+        let Some(f) = from.iter().find(|e| e.matches(function, index)) else {
+            continue;
+        };
+        let bits = f.get(register);
+        match into.iter_mut().find(|e| e.matches(function, index)) {
+            Some(e) => *e.get_mut(register) |= bits,
+            None => {
+                let mut e = CpuidEntry {
+                    function,
+                    index,
+                    flags: f.flags,
+                    ..Default::default()
+                };
+                *e.get_mut(register) = bits;
+                into.push(e);
+            }
+        }
+    }
+}
 
 /// Every bit of [`FEATURE_REGISTERS`] set in `guest` and clear in `host`
 /// (a leaf the host lacks offers nothing).

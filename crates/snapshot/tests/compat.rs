@@ -1,8 +1,8 @@
 //! The compatibility check: each rule, and every mismatch named at once.
 
 use snapshot::compat::{
-    check, check_restore, Compat, CpuidBit, CpuidEntry, HostCompat, KvmCap, Mismatch, Register,
-    RestoreRequest, CPUID_FLAG_SIGNIFICANT_INDEX,
+    check, check_restore, merge_features, Compat, CpuidBit, CpuidEntry, HostCompat, KvmCap,
+    Mismatch, Register, RestoreRequest, CAP_TSC_CONTROL, CPUID_FLAG_SIGNIFICANT_INDEX,
 };
 use Register::{Eax, Ebx, Ecx, Edx};
 
@@ -50,6 +50,7 @@ fn pair() -> (Compat, HostCompat) {
         cpuid: cpuid.clone(),
         msrs: vec![0x10, 0x48, 0x6e0, 0xc000_0080],
         caps: caps.clone(),
+        tsc_khz: Some(2_400_000),
     };
     let saved = Compat {
         tine_version: "0.1.0".into(),
@@ -59,6 +60,7 @@ fn pair() -> (Compat, HostCompat) {
         cpuid,
         msrs: vec![0x10, 0x48, 0x6e0],
         caps,
+        tsc_khz: Some(2_400_100),
         devices: vec!["virtio-blk".into(), "virtio-net".into()],
         mem_mib: 256,
         vcpus: 2,
@@ -239,6 +241,27 @@ fn test_needed_cap_must_be_present() {
 }
 
 #[test]
+fn test_tsc_rate_must_match_unless_the_host_scales_it() {
+    let (mut saved, mut host) = pair();
+    // 2_400_100 vs 2_400_000 kHz is within 250 ppm: passed above.
+    saved.tsc_khz = Some(2_000_000);
+    let err = check(&saved, &host).expect_err("other rate, no TSC control");
+    assert_eq!(
+        err.mismatches,
+        vec![Mismatch::TscFrequency {
+            snapshot: 2_000_000,
+            host: 2_400_000
+        }]
+    );
+    assert!(err.to_string().contains("KVM_CAP_TSC_CONTROL"), "{err}");
+    host.caps.push(cap("KVM_CAP_TSC_CONTROL", CAP_TSC_CONTROL));
+    check(&saved, &host).expect("the host scales the TSC");
+    host.caps.pop();
+    host.tsc_khz = None;
+    check(&saved, &host).expect("host rate unknown: nothing to compare");
+}
+
+#[test]
 fn test_request_compared_only_when_given() {
     let (saved, host) = pair();
     let request = RestoreRequest {
@@ -325,6 +348,30 @@ fn test_several_mismatches_are_all_named() {
         );
     }
     println!("{text}");
+}
+
+#[test]
+fn test_merge_features_adds_feature_bits_only() {
+    let (saved, mut host) = pair();
+    clear_bit(&mut host.cpuid, 0x7, 0, Ebx, 16); // avx512f
+    host.cpuid.retain(|e| !(e.function == 0x7 && e.index == 1));
+    check(&saved, &host).expect_err("host lacks avx512f and leaf 7.1");
+    let mut effective = saved.cpuid.clone();
+    // A size register (0xd.0 EBX) is not a feature: it must not be ORed.
+    *reg(&mut effective, 0xd, 0, Ebx) = 0x0f0f;
+    let size_before = *reg(&mut host.cpuid, 0xd, 0, Ebx);
+    merge_features(&mut host.cpuid, &effective);
+    check(&saved, &host).expect("merged features cover the guest");
+    assert_eq!(*reg(&mut host.cpuid, 0xd, 0, Ebx), size_before);
+    let added = host
+        .cpuid
+        .iter()
+        .find(|e| e.function == 0x7 && e.index == 1)
+        .expect("leaf 7.1 added");
+    assert_eq!(
+        (added.eax, added.flags),
+        (0x30, CPUID_FLAG_SIGNIFICANT_INDEX)
+    );
 }
 
 #[test]

@@ -9,6 +9,7 @@
 
 pub mod arch;
 pub mod builder;
+pub mod compat;
 pub mod config;
 pub mod devices;
 pub mod exit;
