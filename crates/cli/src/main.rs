@@ -2,6 +2,7 @@
 
 mod agent_client;
 mod exec_cmds;
+mod fork_cmds;
 mod image_cmd;
 mod machine;
 mod routing;
@@ -42,6 +43,9 @@ pub enum Command {
         /// Keep printing new output until the vm ends.
         #[arg(long, short)]
         follow: bool,
+        /// Type this line into the console (COM1 input) instead.
+        #[arg(long, conflicts_with = "follow")]
+        send: Option<String>,
     },
     /// Stop a vm: agent shutdown, then SIGTERM, then SIGKILL after a timeout.
     Stop {
@@ -61,6 +65,49 @@ pub enum Command {
         /// Kill it first if it runs.
         #[arg(long)]
         force: bool,
+    },
+    /// Fork a running vm: K children continue from this moment, each with
+    /// its own disk layer, console, vsock socket and MAC; the vm goes on.
+    Fork {
+        name: String,
+        /// Number of children (named NAME-1, NAME-2, ... unless --names).
+        #[arg(short = 'n', long = "count")]
+        count: Option<usize>,
+        /// Children's names, comma-separated.
+        #[arg(long)]
+        names: Option<String>,
+        /// Machine-readable output (pids and timings).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Keep this moment of a vm to roll back to (costs only the pages that
+    /// later diverge).
+    Checkpoint {
+        name: String,
+        /// Name of the checkpoint (default cp1, cp2, ...).
+        #[arg(long)]
+        tag: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Return a vm to a checkpoint: memory, CPU, devices and disk.
+    Rollback {
+        name: String,
+        tag: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List a vm's checkpoints.
+    Checkpoints { name: String },
+    /// Write a running vm to a directory (memory, state, manifest) while it
+    /// runs on; `tine run --from DIR` restores it.
+    Snapshot {
+        name: String,
+        /// The directory (created; must not hold a snapshot).
+        #[arg(long)]
+        to: std::path::PathBuf,
+        #[arg(long)]
+        json: bool,
     },
     /// Run one vm in the foreground: this process is its VMM.
     Vmm(vmm_cmd::VmmArgs),
@@ -128,7 +175,12 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             rows.extend(routing::machine_rows(&h)?);
             vm_cmds::ls(&rows, json)
         }),
-        Command::Console { name, follow } => {
+        Command::Console {
+            name,
+            send: Some(line),
+            ..
+        } => home().and_then(|h| vm_cmds::console_send(&h, &name, &line)),
+        Command::Console { name, follow, .. } => {
             home().and_then(|h| vm_cmds::console(&h, &name, follow))
         }
         Command::Stop { name, timeout_secs } => home()
@@ -138,6 +190,27 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             home().and_then(|h| vm_cmds::disk_layers(&h, &name, json))
         }
         Command::Rm { name, force } => home().and_then(|h| vm_cmds::rm(&h, &name, force)),
+        Command::Fork {
+            name,
+            count,
+            names,
+            json,
+        } => home().and_then(|h| fork_cmds::fork(&h, &name, count, names, json)),
+        Command::Checkpoint { name, tag, json } => {
+            home().and_then(|h| fork_cmds::checkpoint(&h, &name, tag, json))
+        }
+        Command::Rollback { name, tag, json } => {
+            home().and_then(|h| fork_cmds::rollback(&h, &name, &tag, json))
+        }
+        Command::Checkpoints { name } => home().and_then(|h| {
+            for c in fork_cmds::list_checkpoints(&h, &name)? {
+                println!("{}\tpid {}", c.tag, c.pid);
+            }
+            Ok(ExitCode::SUCCESS)
+        }),
+        Command::Snapshot { name, to, json } => {
+            home().and_then(|h| fork_cmds::snapshot(&h, &name, &to, json))
+        }
         Command::Image(cmd) => image_cmd::run(cmd),
         Command::Machine(cmd) => home().and_then(|h| machine::run(&h, cmd)),
     }

@@ -42,6 +42,11 @@ pub fn through_machine(
         | Command::Kill { name }
         | Command::Rm { name, .. }
         | Command::Disk(crate::DiskCommand::Layers { name, .. })
+        | Command::Fork { name, .. }
+        | Command::Checkpoint { name, .. }
+        | Command::Rollback { name, .. }
+        | Command::Checkpoints { name }
+        | Command::Snapshot { name, .. }
             if remote_vm(name) =>
         {
             Some(forward(false))

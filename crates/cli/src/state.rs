@@ -28,6 +28,18 @@ pub struct VmRecord {
     pub vcpus: u8,
     /// Whether the guest runs tine-agent (Linux images do; micro guests do not).
     pub agent: bool,
+    /// The vm this one was forked from.
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// Number of disks (each with its own top layer `disk{i}.qcow2`).
+    #[serde(default)]
+    pub disks: usize,
+    /// Whether it has a tap (`tt-NAME`) and which MAC its guest sees.
+    #[serde(default)]
+    pub mac: Option<[u8; 6]>,
+    /// Whether it has a vsock device (`vsock.sock`).
+    #[serde(default)]
+    pub vsock: bool,
 }
 
 /// Written by the VMM when it ends.
@@ -56,6 +68,12 @@ impl std::fmt::Display for VmState {
             VmState::Crashed => "crashed",
         })
     }
+}
+
+/// Frozen disk layers, shared by the vms stacked on them (kept when a
+/// vm is removed: its children may still use them).
+pub fn layers_dir(home: &Path) -> PathBuf {
+    home.join("layers")
 }
 
 /// The directory of all vms.
@@ -104,11 +122,23 @@ impl VmDir {
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
     }
+    /// Bytes written here reach the guest's console (COM1 input).
+    pub fn console_socket(&self) -> PathBuf {
+        self.dir.join("console.sock")
+    }
     pub fn vmm_log(&self) -> PathBuf {
         self.dir.join("vmm.log")
     }
     pub fn vsock(&self) -> PathBuf {
         self.dir.join("vsock.sock")
+    }
+    /// The VMM's control socket (fork, checkpoint, snapshot).
+    pub fn api_socket(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+    /// Checkpoint templates of this vm: `TAG.sock` and `TAG.json`.
+    pub fn checkpoints(&self) -> PathBuf {
+        self.dir.join("checkpoints")
     }
     /// The vm's own top layer of disk `i` (a qcow2 overlay on the base).
     pub fn disk_layer(&self, i: usize) -> PathBuf {

@@ -44,12 +44,21 @@ pub struct RunArgs {
     /// How long to wait for the agent to answer.
     #[arg(long, default_value_t = 180)]
     timeout_secs: u64,
+    /// Restore a snapshot directory (`tine snapshot NAME --to DIR`) in a
+    /// new process instead of booting; --image, --kernel, --mem, --vcpus
+    /// and --disk come from the snapshot.
+    #[arg(long, conflicts_with_all = ["kernel", "disks"])]
+    from: Option<PathBuf>,
 }
 
 impl RunArgs {
     /// A micro guest: runs on any /dev/kvm, has no agent.
     pub fn is_micro(&self) -> bool {
-        self.kernel.is_some() || self.image.starts_with("micro-")
+        match &self.from {
+            // A snapshot without a vsock device is a micro guest's.
+            Some(dir) => vmm::snapshot_dir::load(dir).is_ok_and(|(m, _)| m.vsock_cid.is_none()),
+            None => self.kernel.is_some() || self.image.starts_with("micro-"),
+        }
     }
 }
 
@@ -72,7 +81,20 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let micro = args.is_micro();
-    let agent = !args.no_agent && !micro;
+    let manifest = match &args.from {
+        Some(dir) => {
+            let (m, _) = vmm::snapshot_dir::load(dir)?;
+            let kvm = std::env::var_os("TINE_KVM_DEVICE").unwrap_or_else(|| "/dev/kvm".into());
+            vmm::snapshot_dir::check_host(dir, &m, Path::new(&kvm))?;
+            Some(m)
+        }
+        None => None,
+    };
+    let vsock = match &manifest {
+        Some(m) => m.vsock_cid.is_some(),
+        None => !micro,
+    };
+    let agent = !args.no_agent && vsock;
     for base in &args.disks {
         anyhow::ensure!(base.is_file(), "disk image {} not found", base.display());
     }
@@ -81,7 +103,11 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     std::fs::create_dir_all(&vm.dir)
         .with_context(|| format!("cannot create {}", vm.dir.display()))?;
 
-    let mut cmd = match vmm_command(&vm, &args, micro) {
+    let made = match &manifest {
+        Some(m) => restore_command(&vm, &args, m),
+        None => vmm_command(&vm, &args, micro),
+    };
+    let (mut cmd, ndisks) = match made {
         Ok(cmd) => cmd,
         Err(e) => {
             // Nothing ran: leave no state behind.
@@ -97,13 +123,21 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         pid,
         pid_start: state::process_start(pid).unwrap_or(0),
         created_ms: state::now_ms(),
-        image: match &args.kernel {
-            Some(k) => k.display().to_string(),
-            None => args.image.clone(),
+        image: match (&args.kernel, &args.from) {
+            (_, Some(d)) => format!("snapshot {}", d.display()),
+            (Some(k), None) => k.display().to_string(),
+            (None, None) => args.image.clone(),
         },
-        mem_mib: args.mem,
-        vcpus: args.vcpus,
+        mem_mib: manifest.as_ref().map(|m| m.mem_mib).unwrap_or(args.mem),
+        vcpus: manifest
+            .as_ref()
+            .map(|m| m.vcpus as u8)
+            .unwrap_or(args.vcpus),
         agent,
+        parent: None,
+        disks: ndisks,
+        mac: args.net.then_some(crate::fork_cmds::DEFAULT_MAC),
+        vsock,
     };
     vm.write_record(&record)?;
 
@@ -159,20 +193,83 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The `tine vmm` command line for `run`, with the vm's own disk layers
-/// created.
-fn vmm_command(vm: &VmDir, args: &RunArgs, micro: bool) -> anyhow::Result<Command> {
+/// The `tine vmm --from DIR` command line for `run --from`, with a top
+/// layer on each frozen disk of the snapshot.
+fn restore_command(
+    vm: &VmDir,
+    args: &RunArgs,
+    m: &vmm::snapshot_dir::Manifest,
+) -> anyhow::Result<(Command, usize)> {
+    let dir = args.from.as_deref().unwrap_or(Path::new("."));
+    let mut cmd = base_command(vm, &args.name)?;
+    cmd.arg("--from").arg(dir);
+    let mut n = 0;
+    for d in &m.disks {
+        if d.frozen {
+            let top = vm.disk_layer(n);
+            disk::create_overlay(&d.path, &top).with_context(|| {
+                format!(
+                    "cannot stack a top layer on the snapshot's disk {}",
+                    d.path.display()
+                )
+            })?;
+            cmd.arg("--disk").arg(&top);
+            n += 1;
+        } else {
+            cmd.arg("--disk").arg(format!("{},ro", d.path.display()));
+        }
+    }
+    if args.net {
+        cmd.arg("--net").arg(tap_name(&args.name));
+    }
+    if m.vsock_cid.is_some() {
+        cmd.arg("--vsock").arg(vm.vsock());
+    }
+    detach(vm, &mut cmd)?;
+    Ok((cmd, n))
+}
+
+/// `tine vmm` with the vm's own console, exit file and control socket.
+fn base_command(vm: &VmDir, name: &str) -> anyhow::Result<Command> {
     let exe = std::env::current_exe().context("cannot find the tine executable")?;
     let mut cmd = Command::new(&exe);
     cmd.arg("vmm");
+    cmd.arg("--name").arg(name);
+    cmd.arg("--console-log").arg(vm.console_log());
+    cmd.arg("--console-socket").arg(vm.console_socket());
+    cmd.arg("--exit-file").arg(vm.exit_path());
+    cmd.arg("--api-socket").arg(vm.api_socket());
+    Ok(cmd)
+}
+
+/// The VMM's output goes to its log; it runs in its own session so it
+/// outlives this command.
+fn detach(vm: &VmDir, cmd: &mut Command) -> anyhow::Result<()> {
+    let log = std::fs::File::create(vm.vmm_log())
+        .with_context(|| format!("cannot create {}", vm.vmm_log().display()))?;
+    let log_err = log.try_clone().context("cannot open the VMM log")?;
+    cmd.stdin(Stdio::null()).stdout(log).stderr(log_err);
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
+    // detaches the VMM from our session so it outlives this command.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// The `tine vmm` command line for `run`, with the vm's own disk layers
+/// created.
+fn vmm_command(vm: &VmDir, args: &RunArgs, micro: bool) -> anyhow::Result<(Command, usize)> {
+    let mut cmd = base_command(vm, &args.name)?;
     match &args.kernel {
         Some(k) => cmd.arg("--kernel").arg(k),
         None => cmd.arg("--image").arg(&args.image),
     };
     cmd.arg("--mem").arg(format!("{}M", args.mem));
     cmd.arg("--vcpus").arg(args.vcpus.to_string());
-    cmd.arg("--console-log").arg(vm.console_log());
-    cmd.arg("--exit-file").arg(vm.exit_path());
     // Each disk gets the vm's own empty qcow2 top layer; the file the user
     // gave (or the image's root filesystem, first) becomes a read-only base
     // that is never written.
@@ -199,23 +296,12 @@ fn vmm_command(vm: &VmDir, args: &RunArgs, micro: bool) -> anyhow::Result<Comman
     if !micro {
         cmd.arg("--vsock").arg(vm.vsock());
     }
-    let log = std::fs::File::create(vm.vmm_log())
-        .with_context(|| format!("cannot create {}", vm.vmm_log().display()))?;
-    let log_err = log.try_clone().context("cannot open the VMM log")?;
-    cmd.stdin(Stdio::null()).stdout(log).stderr(log_err);
-    // SAFETY: setsid is async-signal-safe and touches no memory of ours; it
-    // detaches the VMM from our session so it outlives this command.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    Ok(cmd)
+    detach(vm, &mut cmd)?;
+    Ok((cmd, bases.len()))
 }
 
 /// The tap of a vm: IFNAMSIZ allows 15 bytes.
-fn tap_name(name: &str) -> String {
+pub fn tap_name(name: &str) -> String {
     let mut t = format!("tt-{name}");
     t.truncate(15);
     t
@@ -234,6 +320,9 @@ pub struct LsRow {
     pub rss_mib: Option<u64>,
     pub uptime_s: Option<u64>,
     pub exit: Option<String>,
+    /// The vm it was forked from.
+    #[serde(default)]
+    pub parent: Option<String>,
 }
 
 /// The rows for every vm under `home`.
@@ -261,6 +350,7 @@ pub fn ls_rows(home: &Path) -> anyhow::Result<Vec<LsRow>> {
                 VmState::Crashed => Some("VMM process gone without an exit record".into()),
                 VmState::Running => None,
             },
+            parent: r.parent.clone(),
         });
     }
     Ok(rows)
@@ -273,8 +363,8 @@ pub fn ls(rows: &[LsRow], json: bool) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<20} {:<8} {:>8} {:>8} {:>8}  IMAGE",
-        "NAME", "STATE", "PID", "MEM", "UPTIME"
+        "{:<20} {:<8} {:>8} {:>8} {:>8}  {:<12} IMAGE",
+        "NAME", "STATE", "PID", "MEM", "UPTIME", "PARENT"
     );
     for r in rows {
         let pid = r.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into());
@@ -288,9 +378,10 @@ pub fn ls(rows: &[LsRow], json: bool) -> anyhow::Result<ExitCode> {
             .as_ref()
             .map(|e| format!("  ({e})"))
             .unwrap_or_default();
+        let parent = r.parent.as_deref().unwrap_or("-");
         println!(
-            "{:<20} {:<8} {:>8} {:>8} {:>8}  {}{note}",
-            r.name, r.state, pid, mem, up, r.image
+            "{:<20} {:<8} {:>8} {:>8} {:>8}  {:<12} {}{note}",
+            r.name, r.state, pid, mem, up, parent, r.image
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -398,6 +489,22 @@ pub fn console(home: &Path, name: &str, follow: bool) -> anyhow::Result<ExitCode
     }
 }
 
+/// `tine console NAME --send LINE`: types LINE and a newline into the
+/// guest's console.
+pub fn console_send(home: &Path, name: &str, line: &str) -> anyhow::Result<ExitCode> {
+    let vm = VmDir::new(home, name);
+    let record = vm.read_record()?;
+    if vm.state(&record) != VmState::Running {
+        bail!("vm {name:?} is not running");
+    }
+    let path = vm.console_socket();
+    let mut s = std::os::unix::net::UnixStream::connect(&path)
+        .with_context(|| format!("cannot reach the console of {name:?} at {}", path.display()))?;
+    s.write_all(line.as_bytes())?;
+    s.write_all(b"\n")?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `tine stop NAME`: ask the agent to shut down, then SIGTERM, then SIGKILL.
 pub fn stop(home: &Path, name: &str, timeout: Duration) -> anyhow::Result<ExitCode> {
     let vm = VmDir::new(home, name);
@@ -436,11 +543,17 @@ pub fn kill(home: &Path, name: &str) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn kill_now(vm: &VmDir, r: &VmRecord) -> anyhow::Result<()> {
+/// SIGKILLs the VMM and waits until it is gone; writes no exit record.
+pub fn kill_quietly(r: &VmRecord) -> anyhow::Result<()> {
     signal(r, libc::SIGKILL);
     if !wait_gone(r, Duration::from_secs(5)) {
         bail!("VMM pid {} of vm {:?} survived SIGKILL", r.pid, r.name);
     }
+    Ok(())
+}
+
+fn kill_now(vm: &VmDir, r: &VmRecord) -> anyhow::Result<()> {
+    kill_quietly(r)?;
     let rec = state::ExitRecord {
         reason: "killed".into(),
         ended_ms: state::now_ms(),
@@ -459,6 +572,7 @@ pub fn rm(home: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
         }
         kill_now(&vm, &r)?;
     }
+    crate::fork_cmds::drop_checkpoints(&vm);
     std::fs::remove_dir_all(&vm.dir)
         .with_context(|| format!("cannot remove {}", vm.dir.display()))?;
     println!("{name}: removed");

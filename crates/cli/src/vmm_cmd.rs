@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use vmm::config::{DiskConfig, NetConfig, VsockConfig};
+use vmm::process::{self, ProcessOptions};
 use vmm::VmConfig;
 
 /// Default command line for Linux guests: console on COM1, reset through
@@ -16,14 +17,20 @@ pub const DEFAULT_CMDLINE: &str =
 #[derive(Args, Debug)]
 pub struct VmmArgs {
     /// Kernel: uncompressed ELF vmlinux, bzImage, or a micro guest ELF.
-    #[arg(long, required_unless_present = "image", conflicts_with = "image")]
+    #[arg(long, required_unless_present_any = ["image", "from"], conflicts_with_all = ["image", "from"])]
     kernel: Option<PathBuf>,
     /// Image: `minimal` or `debian` (built by `tine image build [debian]`),
     /// `micro-counter`, `micro-memtouch`, or an image directory. An image
     /// with a root filesystem gets it as /dev/vda (read-only unless the
     /// first --disk replaces it).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "from")]
     image: Option<String>,
+    /// Restore a snapshot directory (`tine snapshot --to DIR`) instead of
+    /// booting: memory is mapped copy-on-write from DIR/memory. Give a
+    /// --disk for every disk of the snapshot, in order (a top layer on
+    /// each frozen layer, or the read-only base with `,ro`).
+    #[arg(long)]
+    from: Option<PathBuf>,
     /// Initramfs to load (with --kernel).
     #[arg(long, conflicts_with = "image")]
     initrd: Option<PathBuf>,
@@ -43,6 +50,9 @@ pub struct VmmArgs {
     /// Append the guest console (COM1) to this file.
     #[arg(long)]
     console_log: Option<PathBuf>,
+    /// Feed bytes written to this Unix socket to the console.
+    #[arg(long)]
+    console_socket: Option<PathBuf>,
     /// Attach the console to this process's stdin/stdout.
     #[arg(long)]
     console: bool,
@@ -58,13 +68,45 @@ pub struct VmmArgs {
     /// Write why the vm ended to this file (JSON) when the VMM exits.
     #[arg(long, hide = true)]
     exit_file: Option<PathBuf>,
+    /// Serve the control socket (fork, checkpoint, snapshot) here.
+    #[arg(long, hide = true)]
+    api_socket: Option<PathBuf>,
+    /// The vm's name (for frozen layer names and logs).
+    #[arg(long, hide = true, default_value = "vm")]
+    name: String,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     kvm_device: PathBuf,
 }
 
 pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
+    let opts = ProcessOptions {
+        name: args.name.clone(),
+        api_socket: args.api_socket.clone(),
+        exit_file: args.exit_file.clone(),
+    };
+    let vmm = match build_or_restore(args) {
+        Ok(v) => v,
+        Err(e) => {
+            process::write_exit(&opts, &format!("failed to start: {e:#}"));
+            return Err(e);
+        }
+    };
+    let exit = process::serve(vmm, opts, || {}).context("vm failed")?;
+    eprintln!("tine: guest {exit}");
+    Ok(ExitCode::from(exit.exit_code() as u8))
+}
+
+fn build_or_restore(args: VmmArgs) -> anyhow::Result<vmm::Vmm> {
     let mut disks: Vec<DiskConfig> = args.disks.iter().map(|d| parse_disk(d)).collect();
+    let nets = args
+        .nets
+        .iter()
+        .map(|n| parse_net(n))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some(dir) = &args.from {
+        return restore(dir, &args, disks, nets);
+    }
     let (kernel, initrd, image_cmdline) = match (&args.image, args.kernel) {
         (Some(name), _) => {
             let r = crate::image_cmd::resolve(name)?;
@@ -81,7 +123,7 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
             (r.kernel, r.initrd, r.cmdline)
         }
         (None, Some(kernel)) => (kernel, args.initrd, DEFAULT_CMDLINE.to_string()),
-        (None, None) => anyhow::bail!("give --kernel PATH or --image NAME"),
+        (None, None) => anyhow::bail!("give --kernel PATH, --image NAME or --from DIR"),
     };
     let mut cmdline = args.cmdline.unwrap_or(image_cmdline);
     if let Some(extra) = &args.append {
@@ -99,38 +141,63 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
         console_log: args.console_log,
         console_stdout: args.console,
         console_stdin: args.console,
+        console_socket: args.console_socket,
         disks,
-        nets: args
-            .nets
-            .iter()
-            .map(|n| parse_net(n))
-            .collect::<anyhow::Result<_>>()?,
+        nets,
         vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
         kvm_device: args.kvm_device,
     };
-    let exit_file = args.exit_file;
-    let record_exit = |reason: String| {
-        if let Some(path) = &exit_file {
-            let rec = crate::state::ExitRecord {
-                reason,
-                ended_ms: crate::state::now_ms(),
-            };
-            if let Ok(bytes) = serde_json::to_vec(&rec) {
-                let _ = crate::state::write_atomic(path, &bytes);
-            }
-        }
+    Ok(vmm::build(&config)?)
+}
+
+/// A vm from a snapshot directory: checked (manifest, state, host
+/// compatibility, memory file) before anything is created.
+fn restore(
+    dir: &std::path::Path,
+    args: &VmmArgs,
+    disks: Vec<DiskConfig>,
+    nets: Vec<NetConfig>,
+) -> anyhow::Result<vmm::Vmm> {
+    let (manifest, moment) = vmm::snapshot_dir::load(dir)?;
+    vmm::snapshot_dir::check_host(dir, &manifest, &args.kvm_device)?;
+    anyhow::ensure!(
+        disks.len() == manifest.disks.len(),
+        "the snapshot has {} disk(s); give one --disk for each (got {})",
+        manifest.disks.len(),
+        disks.len()
+    );
+    let vsock = match (&args.vsock, manifest.vsock_cid) {
+        (Some(v), Some(cid)) => Some(VsockConfig {
+            guest_cid: cid,
+            ..parse_vsock(v)?
+        }),
+        (None, Some(_)) => anyhow::bail!("the snapshot has a vsock device; give --vsock PATH"),
+        (Some(_), None) => anyhow::bail!("the snapshot has no vsock device; drop --vsock"),
+        (None, None) => None,
     };
-    let vmm = match vmm::build(&config) {
-        Ok(v) => v,
-        Err(e) => {
-            record_exit(format!("failed to start: {e}"));
-            return Err(e.into());
-        }
+    let config = VmConfig {
+        mem_mib: manifest.mem_mib,
+        vcpus: u8::try_from(manifest.vcpus).unwrap_or(u8::MAX),
+        console_log: args.console_log.clone(),
+        console_stdout: args.console,
+        console_stdin: args.console,
+        console_socket: args.console_socket.clone(),
+        disks,
+        nets,
+        vsock,
+        kvm_device: args.kvm_device.clone(),
+        ..VmConfig::default()
     };
-    let exit = vmm.run().context("vm failed")?;
-    record_exit(exit.to_string());
-    eprintln!("tine: guest {exit}");
-    Ok(ExitCode::from(exit.exit_code() as u8))
+    let mem = vmm::memory::map_file_private(
+        &dir.join(vmm::snapshot_dir::MEMORY),
+        &moment.ram_regions(),
+    )?;
+    Ok(vmm::restore(
+        &config,
+        mem,
+        vmm::memory::RamBacking::Private,
+        &moment,
+    )?)
 }
 
 fn parse_disk(s: &str) -> DiskConfig {
@@ -157,7 +224,11 @@ fn parse_net(s: &str) -> anyhow::Result<NetConfig> {
             .with_context(|| format!("unknown --net option {p:?}; use mac=52:54:00:12:34:56"))?;
         mac = parse_mac(v)?;
     }
-    Ok(NetConfig { tap, mac })
+    Ok(NetConfig {
+        tap,
+        mac,
+        tap_fd: None,
+    })
 }
 
 fn parse_mac(s: &str) -> anyhow::Result<[u8; 6]> {

@@ -659,6 +659,60 @@ impl Disk {
             .map_err(imago_err(&self.layers[0].path, "write zeroes"))
     }
 
+    /// Freeze this open disk's top layer in place for a fork: flush it,
+    /// move it to `frozen` (same filesystem), make it read-only, and trade
+    /// the exclusive lock for a shared one so the layers stacked on it can
+    /// be opened while this process still holds it. From now on this disk
+    /// refuses writes; every continuation opens its own overlay on `frozen`.
+    /// [`Disk::thaw`] undoes it if the fork fails.
+    pub fn freeze_to(&mut self, frozen: &Path) -> Result<(), DiskError> {
+        if !self.writable {
+            return Err(DiskError::NotWritable {
+                path: self.path().into(),
+            });
+        }
+        self.flush()?;
+        let top = self.layers[0].path.clone();
+        if frozen.symlink_metadata().is_ok() {
+            return Err(DiskError::Exists {
+                path: frozen.into(),
+            });
+        }
+        fs::rename(&top, frozen).map_err(io_err(&top, "rename"))?;
+        let file = &self.layers[0].lock;
+        let meta = file.metadata().map_err(io_err(frozen, "stat"))?;
+        let mode = meta.permissions().mode();
+        fs::set_permissions(frozen, fs::Permissions::from_mode(mode & !0o222))
+            .map_err(io_err(frozen, "chmod a-w"))?;
+        try_flock(frozen, file, false)?;
+        if let Ok(dir) = StdFile::open(frozen.parent().unwrap_or(Path::new("."))) {
+            // The rename must be durable before anything is stacked on it.
+            let _ = dir.sync_all();
+        }
+        self.layers[0].path = frozen.into();
+        self.writable = false;
+        Ok(())
+    }
+
+    /// Undoes [`Disk::freeze_to`]: the layer moves back to `top`, writable
+    /// and exclusively locked again. Only valid while nothing was stacked
+    /// on the frozen layer.
+    pub fn thaw(&mut self, top: &Path) -> Result<(), DiskError> {
+        let frozen = self.layers[0].path.clone();
+        fs::rename(&frozen, top).map_err(io_err(&frozen, "rename"))?;
+        let meta = self.layers[0]
+            .lock
+            .metadata()
+            .map_err(io_err(top, "stat"))?;
+        let mode = meta.permissions().mode();
+        fs::set_permissions(top, fs::Permissions::from_mode(mode | 0o200))
+            .map_err(io_err(top, "chmod u+w"))?;
+        try_flock(top, &self.layers[0].lock, true)?;
+        self.layers[0].path = top.into();
+        self.writable = true;
+        Ok(())
+    }
+
     /// The chain, top layer first, with current on-host sizes.
     pub fn chain(&self) -> Vec<LayerInfo> {
         self.layers

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex};
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::IoEventAddress;
 
-use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::acpi::{self, AcpiError, VirtioMmioSlot};
@@ -24,7 +23,13 @@ use crate::devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
 use crate::devices::virtio::VirtioDevice;
 use crate::devices::{Bus, BusError};
 use crate::exit::ExitNotifier;
-use crate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError};
+use crate::devices::legacy::serial::{SerialError, SerialState};
+use crate::devices::park::{device_park, ParkControl};
+use crate::devices::persist::{DeviceStates, Persist};
+use crate::devices::virtio::mmio::MmioState;
+use crate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError, RamBacking};
+use crate::moment::{DeviceLayout, Moment};
+use crate::vstate::{restore_machine, RestoreError};
 use crate::vcpu::{Vcpu, VcpuError};
 use crate::vm::{Vm, VmError};
 use crate::Vmm;
@@ -69,6 +74,14 @@ pub enum BuildError {
     Acpi(#[from] AcpiError),
     #[error("Cannot create an eventfd")]
     EventFd(#[source] std::io::Error),
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
+    #[error("Cannot restore the serial port")]
+    Serial(#[from] SerialError),
+    #[error("The saved state has a different number of devices than this vm")]
+    DeviceCount,
+    #[error("The snapshot's devices are {saved}, but the vm asks for {asked}: give it the same disks, nets and vsock")]
+    Layout { saved: String, asked: String },
     #[error("KVM refused an irqfd for GSI {gsi}")]
     IrqFd {
         gsi: u32,
@@ -91,67 +104,70 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
         None => None,
     };
 
-    let exit = Arc::new(ExitNotifier::new());
-    let (pio, serial) = legacy_devices(&vm, config, &exit)?;
-    let mut devices = VirtioDevices::new(&vm, &mem)?;
-    for d in &config.disks {
-        devices.attach(Block::new(BlockConfig {
-            path: d.path.clone(),
-            read_only: d.read_only,
-            id: None,
-        })?)?;
-    }
-    for n in &config.nets {
-        devices.attach(Net::new(NetConfig {
-            tap_name: n.tap.clone(),
-            mac: n.mac,
-        })?)?;
-    }
-    if let Some(v) = &config.vsock {
-        devices.attach(Vsock::new(VsockConfig {
-            guest_cid: v.guest_cid,
-            uds_path: v.uds_path.clone(),
-        })?)?;
-    }
-    let (mmio, event_manager, slots) = devices.finish();
-
-    let rsdp = acpi::create_acpi_tables(&mem, config.vcpus, &slots)?;
+    let devices = Devices::attach(&vm, &mem, config, None)?;
+    let rsdp = acpi::create_acpi_tables(&mem, config.vcpus, &devices.slots)?;
     let cmdline = boot::cmdline(&config.cmdline)?;
     boot::configure_system(&mem, &kernel, &cmdline, initrd, Some(rsdp))?;
 
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
         let vcpu = Vcpu::new(vm.fd(), index)?;
-        vcpu.configure_boot(&mem, vm.supported_cpuid(), config.vcpus, kernel.entry.0)?;
+        vcpu.configure_boot(&mem, vm.supported_cpuid()?, config.vcpus, kernel.entry.0)?;
         vcpus.push(vcpu);
     }
-
-    Ok(Vmm {
+    Ok(Vmm::assemble(
         vm,
         mem,
+        RamBacking::SharedMemfd,
         vcpus,
-        pio: Arc::new(pio),
-        mmio: Arc::new(mmio),
-        event_manager,
-        exit,
-        serial,
-        console_stdin: config.console_stdin,
-    })
+        devices,
+        config.clone(),
+    ))
+}
+
+/// Rebuilds a vm from a saved [`Moment`] on guest memory that already
+/// holds its RAM (a fork's copy-on-write view or a mapped memory file):
+/// a new KVM VM with the saved CPU and VM state, and devices in their
+/// saved state on the host side `config` names (its own disks, tap,
+/// socket and console). Nothing runs yet.
+pub fn restore(
+    config: &VmConfig,
+    mem: GuestMemoryMmap,
+    backing: RamBacking,
+    moment: &Moment,
+) -> Result<Vmm, BuildError> {
+    let layout = DeviceLayout::of(config);
+    if layout != moment.layout {
+        return Err(BuildError::Layout {
+            saved: moment.layout.to_string(),
+            asked: layout.to_string(),
+        });
+    }
+    let t = std::time::Instant::now();
+    let (vm, vcpus) = restore_machine(&config.kvm_device, &mem, &moment.machine)?;
+    crate::fork::trace(t, "machine restored");
+    let devices = Devices::attach(&vm, &mem, config, Some(&moment.devices))?;
+    Ok(Vmm::assemble(
+        vm,
+        mem,
+        backing,
+        vcpus,
+        devices,
+        config.clone(),
+    ))
 }
 
 fn guest_memory(mem_mib: u64) -> Result<GuestMemoryMmap, MemoryError> {
-    let regions: Vec<(GuestAddress, usize)> = layout::ram_regions(mem_mib << 20)
-        .into_iter()
-        .map(|(start, size)| (GuestAddress(start), size as usize))
-        .collect();
-    create_guest_memory(&regions)
+    create_guest_memory(&crate::moment::ram_regions(mem_mib))
 }
 
-/// COM1 and the i8042 on the port-I/O bus.
+/// COM1 (in its saved state, if any), the i8042 and the ACPI PM device on
+/// the port-I/O bus.
 fn legacy_devices(
     vm: &Vm,
     config: &VmConfig,
     exit: &Arc<ExitNotifier>,
+    saved: Option<&SerialState>,
 ) -> Result<(Bus, Arc<Mutex<SerialDevice>>), BuildError> {
     let log = match &config.console_log {
         Some(path) => Some(
@@ -173,10 +189,12 @@ fn legacy_devices(
             gsi: layout::SERIAL_GSI,
             source,
         })?;
-    let serial = Arc::new(Mutex::new(SerialDevice::new(
-        irq,
-        ConsoleOutput::new(log, config.console_stdout),
-    )));
+    let out = ConsoleOutput::new(log, config.console_stdout);
+    let serial = match saved {
+        Some(state) => SerialDevice::restore((irq, out), state)?,
+        None => SerialDevice::new(irq, out),
+    };
+    let serial = Arc::new(Mutex::new(serial));
     let mut pio = Bus::new();
     pio.insert(serial.clone(), COM1_PORT, COM1_LEN)?;
     pio.insert(
@@ -203,16 +221,25 @@ struct VirtioDevices<'a> {
     mmio: Bus,
     event_manager: DeviceEventManager,
     slots: Vec<VirtioMmioSlot>,
+    transports: Vec<Arc<Mutex<MmioTransport>>>,
+    /// Saved transport states, one per slot, when restoring.
+    saved: Option<&'a [MmioState]>,
 }
 
 impl<'a> VirtioDevices<'a> {
-    fn new(vm: &'a Vm, mem: &'a GuestMemoryMmap) -> Result<Self, BuildError> {
+    fn new(
+        vm: &'a Vm,
+        mem: &'a GuestMemoryMmap,
+        saved: Option<&'a [MmioState]>,
+    ) -> Result<Self, BuildError> {
         Ok(Self {
             vm,
             mem,
             mmio: Bus::new(),
             event_manager: EventManager::new().map_err(BuildError::EventManager)?,
             slots: Vec::new(),
+            transports: Vec::new(),
+            saved,
         })
     }
 
@@ -224,7 +251,14 @@ impl<'a> VirtioDevices<'a> {
         let base = layout::VIRTIO_MMIO_START + n * layout::VIRTIO_MMIO_SLOT;
         let gsi = layout::VIRTIO_GSI_START + n as u32;
         let device = Arc::new(Mutex::new(device));
-        let transport = MmioTransport::new(self.mem.clone(), device.clone())?;
+        let args = (self.mem.clone(), device.clone() as Arc<Mutex<dyn VirtioDevice>>);
+        let transport = match self.saved {
+            Some(saved) => {
+                let state = saved.get(n as usize).ok_or(BuildError::DeviceCount)?;
+                MmioTransport::restore(args, state)?
+            }
+            None => MmioTransport::new(args.0, args.1)?,
+        };
         let notify = base + QUEUE_NOTIFY_OFFSET;
         for (i, evt) in transport.queue_evts().iter().enumerate() {
             self.vm
@@ -239,8 +273,9 @@ impl<'a> VirtioDevices<'a> {
             .fd()
             .register_irqfd(transport.interrupt().irq_evt(), gsi)
             .map_err(|source| BuildError::IrqFd { gsi, source })?;
-        self.mmio
-            .insert(Arc::new(Mutex::new(transport)), base, MMIO_LEN)?;
+        let transport = Arc::new(Mutex::new(transport));
+        self.mmio.insert(transport.clone(), base, MMIO_LEN)?;
+        self.transports.push(transport);
         self.event_manager.add_subscriber(device);
         self.slots.push(VirtioMmioSlot {
             base,
@@ -250,9 +285,78 @@ impl<'a> VirtioDevices<'a> {
         Ok(())
     }
 
-    /// The MMIO bus, the device thread's event manager and the (base, GSI)
-    /// of every slot, for the ACPI tables.
-    fn finish(self) -> (Bus, DeviceEventManager, Vec<VirtioMmioSlot>) {
-        (self.mmio, self.event_manager, self.slots)
+}
+
+/// Every device of a vm, wired to the VM and the device thread.
+pub(crate) struct Devices {
+    pub pio: Bus,
+    pub mmio: Bus,
+    pub event_manager: DeviceEventManager,
+    /// (base, GSI) of every virtio slot, for the ACPI tables.
+    pub slots: Vec<VirtioMmioSlot>,
+    pub exit: Arc<ExitNotifier>,
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub transports: Vec<Arc<Mutex<MmioTransport>>>,
+    pub park: ParkControl,
+    /// Tap fds, kept open across a fork for the parent's continuation.
+    pub tap_fds: Vec<i32>,
+}
+
+impl Devices {
+    /// Creates the devices `config` asks for, in the fixed order disks,
+    /// nets, vsock (the order is the guest-visible layout), in the saved
+    /// state `saved` if given.
+    fn attach(
+        vm: &Vm,
+        mem: &GuestMemoryMmap,
+        config: &VmConfig,
+        saved: Option<&DeviceStates>,
+    ) -> Result<Self, BuildError> {
+        let exit = Arc::new(ExitNotifier::new());
+        let (pio, serial) = legacy_devices(vm, config, &exit, saved.map(|s| &s.serial))?;
+        if let Some(s) = saved {
+            if s.virtio.len() != DeviceLayout::of(config).count() {
+                return Err(BuildError::DeviceCount);
+            }
+        }
+        let mut devices = VirtioDevices::new(vm, mem, saved.map(|s| s.virtio.as_slice()))?;
+        for d in &config.disks {
+            devices.attach(Block::new(BlockConfig {
+                path: d.path.clone(),
+                read_only: d.read_only,
+                id: None,
+            })?)?;
+        }
+        let mut tap_fds = Vec::new();
+        for n in &config.nets {
+            let net = Net::new(NetConfig {
+                tap_name: n.tap.clone(),
+                mac: n.mac,
+                tap_fd: n.tap_fd,
+            })?;
+            tap_fds.push(net.tap_fd());
+            devices.attach(net)?;
+        }
+        if let Some(v) = &config.vsock {
+            devices.attach(Vsock::new(VsockConfig {
+                guest_cid: v.guest_cid,
+                uds_path: v.uds_path.clone(),
+            })?)?;
+        }
+        let (parker, park) = device_park().map_err(BuildError::EventFd)?;
+        devices
+            .event_manager
+            .add_subscriber(Arc::new(Mutex::new(parker)));
+        Ok(Self {
+            pio,
+            mmio: devices.mmio,
+            event_manager: devices.event_manager,
+            slots: devices.slots,
+            exit,
+            serial,
+            transports: devices.transports,
+            park,
+            tap_fds,
+        })
     }
 }

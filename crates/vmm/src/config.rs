@@ -21,6 +21,9 @@ pub struct DiskConfig {
 pub struct NetConfig {
     pub tap: String,
     pub mac: [u8; 6],
+    /// An already attached fd of `tap` to use instead of opening it (the
+    /// continuation of a fork inherits its parent's: a tap has one reader).
+    pub tap_fd: Option<i32>,
 }
 
 /// A virtio-vsock device with a host Unix socket (Firecracker's hybrid convention).
@@ -47,6 +50,9 @@ pub struct VmConfig {
     pub console_stdout: bool,
     /// Feed stdin to the console.
     pub console_stdin: bool,
+    /// A Unix socket whose connections' bytes are fed to the console
+    /// (`tine console NAME --send`), for a vm without a terminal.
+    pub console_socket: Option<PathBuf>,
     pub disks: Vec<DiskConfig>,
     pub nets: Vec<NetConfig>,
     pub vsock: Option<VsockConfig>,
@@ -65,6 +71,7 @@ impl Default for VmConfig {
             console_log: None,
             console_stdout: false,
             console_stdin: false,
+            console_socket: None,
             disks: Vec::new(),
             nets: Vec::new(),
             vsock: None,

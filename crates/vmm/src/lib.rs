@@ -7,30 +7,38 @@
 //! pause, resume and save it ([`state`] holds what is saved, [`vstate`] the
 //! control and the restore into a new VM).
 
+pub mod api;
 pub mod arch;
 pub mod builder;
 pub mod compat;
 pub mod config;
 pub mod devices;
 pub mod exit;
+pub mod fork;
 pub mod memory;
+pub mod moment;
+pub mod process;
+pub mod snapshot_dir;
 pub mod state;
 pub mod vcpu;
 pub mod vm;
 pub mod vstate;
 
-use std::io::Read;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::builder::Devices;
+use crate::config::VmConfig as Config;
 use crate::devices::legacy::SerialDevice;
 use crate::devices::Bus;
 use crate::exit::{ExitNotifier, GuestExit};
-use crate::memory::GuestMemoryMmap;
+use crate::fork::ForkSource;
+use crate::memory::{GuestMemoryMmap, RamBacking};
 use crate::vcpu::{Vcpu, VcpuError};
 use crate::vm::Vm;
 
-pub use builder::{build, BuildError};
+pub use builder::{build, restore, BuildError};
+pub use moment::Moment;
 pub use config::VmConfig;
 pub use state::{FpuState, MachineState, VcpuState, VmState, XsaveState};
 pub use vstate::{ControlError, RunningVmm, VmmHandle};
@@ -39,13 +47,14 @@ pub use vstate::{ControlError, RunningVmm, VmmHandle};
 pub struct Vmm {
     vm: Vm,
     mem: GuestMemoryMmap,
+    backing: RamBacking,
     vcpus: Vec<Vcpu>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     exit: Arc<ExitNotifier>,
     serial: Arc<Mutex<SerialDevice>>,
-    console_stdin: bool,
-    event_manager: builder::DeviceEventManager,
+    devices: Devices,
+    config: Config,
 }
 
 /// Errors while running a vm.
@@ -55,9 +64,35 @@ pub enum RunError {
     Vcpu(#[from] VcpuError),
     #[error("Cannot start the {0} thread")]
     Thread(&'static str, #[source] std::io::Error),
+    #[error("Cannot listen on the console socket {0}")]
+    ConsoleSocket(std::path::PathBuf, #[source] std::io::Error),
 }
 
 impl Vmm {
+    pub(crate) fn assemble(
+        vm: Vm,
+        mem: GuestMemoryMmap,
+        backing: RamBacking,
+        vcpus: Vec<Vcpu>,
+        mut devices: Devices,
+        config: Config,
+    ) -> Self {
+        let pio = Arc::new(std::mem::take(&mut devices.pio));
+        let mmio = Arc::new(std::mem::take(&mut devices.mmio));
+        Self {
+            vm,
+            mem,
+            backing,
+            vcpus,
+            pio,
+            mmio,
+            exit: devices.exit.clone(),
+            serial: devices.serial.clone(),
+            devices,
+            config,
+        }
+    }
+
     /// Runs the vm until it exits; returns why.
     ///
     /// SIGINT, SIGTERM and SIGHUP end the vm with [`GuestExit::Stopped`]:
@@ -77,20 +112,52 @@ impl Vmm {
             let exit = exit.clone();
             move || wait_stop_signal(&signals, &exit)
         })?;
-        if self.console_stdin {
+        if self.config.console_stdin {
             let serial = self.serial.clone();
-            spawn("console-in", move || forward_stdin(&serial))?;
+            spawn("console-in", move || forward_input(0, &serial))?;
         }
-        let mut event_manager = self.event_manager;
+        if let Some(path) = &self.config.console_socket {
+            // A socket file left by the process this vm was forked from
+            // (or a crashed VMM) is replaced: the path is this vm's.
+            let _ = std::fs::remove_file(path);
+            let listener = std::os::unix::net::UnixListener::bind(path)
+                .map_err(|e| RunError::ConsoleSocket(path.clone(), e))?;
+            let serial = self.serial.clone();
+            spawn("console-socket", move || {
+                for conn in listener.incoming().flatten() {
+                    forward_input(std::os::fd::AsRawFd::as_raw_fd(&conn), &serial);
+                }
+            })?;
+        }
+        let Devices {
+            mut event_manager,
+            serial,
+            transports,
+            park,
+            tap_fds,
+            ..
+        } = self.devices;
         spawn("devices", move || loop {
             if let Err(e) = event_manager.run() {
                 tracing::error!("device event loop failed: {e:?}");
                 return;
             }
         })?;
-        Ok(RunningVmm::start(
-            self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit,
-        )?)
+        let mem = self.mem.clone();
+        let running = RunningVmm::start(self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit)?;
+        let source = ForkSource::new(
+            running.handle(),
+            fork::DeviceControl {
+                serial,
+                transports,
+                park,
+            },
+            self.config,
+            mem,
+            self.backing,
+            tap_fds,
+        );
+        Ok(running.with_fork_source(Arc::new(source)))
     }
 
     /// The shared exit notifier (devices report through it).
@@ -132,12 +199,18 @@ fn wait_stop_signal(set: &libc::sigset_t, exit: &ExitNotifier) {
     }
 }
 
-/// Copies stdin into the UART's receive FIFO, waiting while it is full.
-fn forward_stdin(serial: &Mutex<SerialDevice>) {
-    let mut stdin = std::io::stdin().lock();
+/// Copies what `fd` delivers into the UART's receive FIFO, waiting while
+/// it is full, until end of input.
+///
+/// Reads the fd directly rather than through `std::io::stdin()`: this
+/// thread blocks in the read, and a forked child (which has only the
+/// forking thread) would find std's stdin lock held forever.
+fn forward_input(fd: i32, serial: &Mutex<SerialDevice>) {
     let mut buf = [0u8; 64];
     loop {
-        let n = match stdin.read(&mut buf) {
+        // SAFETY: reads into a live buffer of the given length.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        let n = match usize::try_from(n) {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };

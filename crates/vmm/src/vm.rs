@@ -55,7 +55,10 @@ pub enum VmError {
 /// An open VM with its memory and interrupt controllers.
 pub struct Vm {
     fd: VmFd,
-    supported_cpuid: CpuId,
+    kvm: Kvm,
+    /// Read on first use: a restore never needs it, and it costs time on
+    /// the fork path.
+    supported_cpuid: OnceLock<CpuId>,
 }
 
 impl Vm {
@@ -75,9 +78,6 @@ impl Vm {
         let fd = kvm
             .create_vm()
             .map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?;
-        let supported_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|e| VmError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
         fd.set_tss_address(KVM_TSS_ADDRESS)
             .map_err(|e| VmError::Kvm("KVM_SET_TSS_ADDR", e))?;
         if MSR_INDEX_LIST.get().is_none() {
@@ -88,7 +88,8 @@ impl Vm {
         }
         Ok(Self {
             fd,
-            supported_cpuid,
+            kvm,
+            supported_cpuid: OnceLock::new(),
         })
     }
 
@@ -132,8 +133,15 @@ impl Vm {
     }
 
     /// CPUID entries KVM supports on this host.
-    pub fn supported_cpuid(&self) -> &CpuId {
-        &self.supported_cpuid
+    pub fn supported_cpuid(&self) -> Result<&CpuId, VmError> {
+        if let Some(c) = self.supported_cpuid.get() {
+            return Ok(c);
+        }
+        let c = self
+            .kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| VmError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;
+        Ok(self.supported_cpuid.get_or_init(|| c))
     }
 
     /// Saves the irqchip (PIC master, PIC slave, IOAPIC), PIT and kvmclock.

@@ -2,6 +2,8 @@
 
 pub mod bus;
 pub mod legacy;
+pub mod park;
+pub mod persist;
 pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError};

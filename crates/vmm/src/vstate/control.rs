@@ -65,6 +65,9 @@ pub struct VmmHandle {
 /// A vm whose vCPU threads are running.
 pub struct RunningVmm {
     handle: VmmHandle,
+    /// What a fork needs besides the vCPUs (devices, config, memory);
+    /// present when the vm was started by [`crate::Vmm::start`].
+    source: Option<Arc<crate::fork::ForkSource>>,
 }
 
 impl RunningVmm {
@@ -84,6 +87,7 @@ impl RunningVmm {
             threads.push(vcpu.start(pio.clone(), mmio.clone(), exit.clone())?);
         }
         Ok(Self {
+            source: None,
             handle: VmmHandle {
                 inner: Arc::new(Inner {
                     vm,
@@ -103,12 +107,23 @@ impl RunningVmm {
         self.handle.clone()
     }
 
+    pub(crate) fn with_fork_source(mut self, source: Arc<crate::fork::ForkSource>) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// What forks, checkpoints and snapshots of this vm start from.
+    pub fn fork_source(&self) -> Option<Arc<crate::fork::ForkSource>> {
+        self.source.clone()
+    }
+
     /// Blocks until the vm exits; returns why.
     pub fn wait(self) -> GuestExit {
         let reason = self.handle.inner.exit.wait();
         // vCPU threads may still be inside KVM_RUN: the VM and its memory
         // must outlive them, and the process ends right after this returns.
         std::mem::forget(self.handle);
+        std::mem::forget(self.source);
         reason
     }
 }

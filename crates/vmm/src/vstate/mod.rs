@@ -33,10 +33,16 @@ pub fn restore_machine(
     mem: &GuestMemoryMmap,
     state: &MachineState,
 ) -> Result<(Vm, Vec<Vcpu>), RestoreError> {
+    let t = std::time::Instant::now();
+    let tr = |w: &str| crate::fork::trace(t, w);
     let vm = Vm::new(kvm_path)?;
+    tr("vm");
     vm.register_memory(mem)?;
+    tr("memslots");
     vm.setup_irqchip()?;
+    tr("irqchip");
     vm.restore_state(&state.vm)?;
+    tr("vmstate");
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
     for (position, saved) in state.vcpus.iter().enumerate() {
         if usize::from(saved.index) != position {
@@ -46,7 +52,9 @@ pub fn restore_machine(
             });
         }
         let vcpu = Vcpu::new(vm.fd(), saved.index)?;
+        tr("vcpu created");
         vcpu.restore_state(saved)?;
+        tr("vcpu restored");
         vcpus.push(vcpu);
     }
     Ok((vm, vcpus))

@@ -132,6 +132,8 @@ impl From<&QueueRegs> for QueueState {
 /// The transport's register state (device state is saved separately).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MmioState {
+    /// virtio device type behind the transport (checked on restore).
+    pub device_type: u32,
     pub device_status: u32,
     pub features_select: u32,
     pub acked_features_select: u32,
@@ -237,6 +239,7 @@ impl MmioTransport {
     /// Saves the register state.
     pub fn state(&self) -> MmioState {
         MmioState {
+            device_type: self.device_type,
             device_status: self.device_status,
             features_select: self.features_select,
             acked_features_select: self.acked_features_select,
@@ -249,8 +252,15 @@ impl MmioTransport {
     }
 
     /// Loads saved register state into a fresh transport for the same kind
-    /// of device. Does not activate the device (snapshot restore does that).
+    /// of device. A device the driver had started (DRIVER_OK) is activated
+    /// with the restored queues, as if the driver had just started it.
     pub fn restore_state(&mut self, state: &MmioState) -> Result<(), MmioError> {
+        if state.device_type != self.device_type {
+            return Err(MmioError::State(format!(
+                "saved device type {} where this vm has type {}",
+                state.device_type, self.device_type
+            )));
+        }
         if state.queues.len() != self.queues.len() {
             return Err(MmioError::State(format!(
                 "{} queues saved, device has {}",
@@ -274,6 +284,20 @@ impl MmioTransport {
         self.acked_features = state.acked_features;
         self.queue_select = state.queue_select;
         self.config_generation = state.config_generation;
+        if state.acked_features & !self.avail_features != 0 {
+            return Err(MmioError::State(format!(
+                "saved features {:#x} include some this device does not offer ({:#x})",
+                state.acked_features, self.avail_features
+            )));
+        }
+        lock(&self.device).set_acked_features(state.acked_features);
+        let running = VIRTIO_CONFIG_S_DRIVER_OK | VIRTIO_CONFIG_S_FEATURES_OK;
+        if self.device_status & running == running
+            && self.device_status & (VIRTIO_CONFIG_S_NEEDS_RESET | VIRTIO_CONFIG_S_FAILED) == 0
+        {
+            self.activate();
+            lock(&self.device).restored();
+        }
         self.interrupt.ack(u32::MAX);
         if state.interrupt_status != 0 {
             // Re-raising the line is what a restored guest with pending

@@ -134,6 +134,15 @@ pub trait VirtioDevice: Send {
     ) -> Result<(), ActivateError>;
     /// Whether the device is running.
     fn is_activated(&self) -> bool;
+    /// The disk behind the device, if it is a block device: a fork
+    /// freezes its top layer.
+    fn host_disk(&mut self) -> Option<&mut disk::Disk> {
+        None
+    }
+    /// Called once after a restore activated the device: the host side of
+    /// the device is new (another process, other sockets), so a device
+    /// whose guest state refers to host connections tells the driver here.
+    fn restored(&mut self) {}
     /// Handles a driver reset; returns false if the device cannot be reset
     /// (the transport then marks it as needing a reset).
     fn reset(&mut self) -> bool {

@@ -197,6 +197,10 @@ impl Block {
 }
 
 impl VirtioDevice for Block {
+    fn host_disk(&mut self) -> Option<&mut disk::Disk> {
+        (!self.disk.read_only).then_some(&mut self.disk.image)
+    }
+
     fn base(&self) -> &DeviceBase {
         &self.base
     }

@@ -27,6 +27,8 @@ pub struct NetConfig {
     pub tap_name: String,
     /// The guest's MAC address.
     pub mac: [u8; 6],
+    /// An attached fd of the tap to adopt instead of opening it.
+    pub tap_fd: Option<i32>,
 }
 
 /// Errors while creating a network device.
@@ -94,7 +96,10 @@ impl std::fmt::Debug for Net {
 impl Net {
     /// Opens (or creates) the tap.
     pub fn new(config: NetConfig) -> Result<Self, NetError> {
-        let tap = Tap::open(&config.tap_name)?;
+        let tap = match config.tap_fd {
+            Some(fd) => Tap::adopt(fd, &config.tap_name),
+            None => Tap::open(&config.tap_name)?,
+        };
         let avail_features = (1u64 << VIRTIO_F_VERSION_1)
             | (1u64 << VIRTIO_NET_F_MAC)
             | (1u64 << VIRTIO_NET_F_STATUS);
@@ -132,6 +137,11 @@ impl Net {
     /// Features the driver accepted.
     pub fn acked_features(&self) -> u64 {
         self.base.acked_features()
+    }
+
+    /// The tap's fd (kept open across a fork for the continuation).
+    pub fn tap_fd(&self) -> i32 {
+        self.tap.raw_fd()
     }
 
     /// Frame counters.
@@ -460,6 +470,7 @@ mod tests {
             let net = Net::new(NetConfig {
                 tap_name: tap_name.clone(),
                 mac: MAC,
+                tap_fd: None,
             })
             .expect("tap (these tests need root / CAP_NET_ADMIN and /dev/net/tun)");
             let _ = Command::new("sysctl")
@@ -626,6 +637,7 @@ mod tests {
             let err = Net::new(NetConfig {
                 tap_name: name.into(),
                 mac: MAC,
+                tap_fd: None,
             })
             .expect_err("invalid name");
             assert!(matches!(err, NetError::Tap(TapError::InvalidName(_))));

@@ -3,7 +3,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
 use super::VNET_HDR_LEN;
@@ -129,6 +129,23 @@ impl Tap {
             file,
             name: name.to_owned(),
         })
+    }
+
+    /// Takes over `fd`, a tap already attached and configured by
+    /// [`Tap::open`] in the process this one was forked from.
+    pub fn adopt(fd: i32, name: &str) -> Self {
+        // SAFETY: the caller hands over an open tap fd it owns and never
+        // uses again (it was kept open across the fork for this).
+        let file = unsafe { File::from_raw_fd(fd) };
+        Self {
+            file,
+            name: name.to_owned(),
+        }
+    }
+
+    /// The fd (kept open across a fork for the continuation).
+    pub fn raw_fd(&self) -> i32 {
+        self.file.as_raw_fd()
     }
 
     /// The interface name.

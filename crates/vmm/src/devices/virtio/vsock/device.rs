@@ -11,6 +11,7 @@ use tracing::warn;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
 use virtio_queue::{Queue, QueueT};
+use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::{read_tx_packet, PacketError, RxBuffer};
@@ -43,6 +44,9 @@ pub struct Vsock {
     pub(super) active: Option<ActiveQueues<NUM_QUEUES>>,
     pub(super) queue_evts_registered: bool,
     tx_stalled: bool,
+    /// A restore happened: the driver must drop its connections
+    /// (VIRTIO_VSOCK_EVENT_TRANSPORT_RESET) once an event buffer is there.
+    pub(super) reset_pending: bool,
     uds_path: PathBuf,
     /// (device, inode) of the socket file we bound, to remove it on drop
     /// only if it is still ours.
@@ -83,6 +87,7 @@ impl Vsock {
             active: None,
             queue_evts_registered: false,
             tx_stalled: false,
+            reset_pending: false,
             uds_path,
             uds_id,
         })
@@ -106,6 +111,49 @@ impl Vsock {
     /// Features the driver accepted.
     pub fn acked_features(&self) -> u64 {
         self.base.acked_features()
+    }
+
+    /// Tells the driver that every connection it had is gone (the host
+    /// sockets belonged to the process the vm was saved from): one
+    /// VIRTIO_VSOCK_EVENT_TRANSPORT_RESET on the event queue, as Firecracker
+    /// does after a snapshot restore. Waits for an event buffer if the
+    /// driver has none posted.
+    pub(super) fn send_transport_reset(&mut self) {
+        if !self.reset_pending {
+            return;
+        }
+        let Some(ActiveQueues {
+            mem,
+            queues,
+            interrupt,
+            ..
+        }) = self.active.as_mut()
+        else {
+            return;
+        };
+        let queue = &mut queues[EVQ];
+        let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+            return;
+        };
+        let head = chain.head_index();
+        let mut len = 0;
+        if let Some(desc) = chain
+            .clone()
+            .find(|d| d.is_write_only() && d.len() >= 4)
+        {
+            // struct virtio_vsock_event { le32 id }; id 0 = TRANSPORT_RESET.
+            if mem.write_obj(0u32.to_le(), desc.addr()).is_ok() {
+                len = 4;
+            }
+        }
+        if len == 0 {
+            warn!("vsock: the driver's event buffer is unusable; transport reset not sent");
+        }
+        if let Err(e) = queue.add_used(&*mem, head, len) {
+            warn!("vsock: cannot return event buffer: {e}");
+        }
+        raise_vring(interrupt, DEV);
+        self.reset_pending = false;
     }
 
     /// Moves packets between the queues and the muxer until nothing more
@@ -280,5 +328,9 @@ impl VirtioDevice for Vsock {
 
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+
+    fn restored(&mut self) {
+        self.reset_pending = true;
     }
 }

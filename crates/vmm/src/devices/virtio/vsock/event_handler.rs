@@ -66,6 +66,7 @@ impl MutEventSubscriber for Vsock {
                 // have added them already (a device subscribed after activation).
                 self.base.on_activate(ops, []);
                 self.register_queue_evts(ops);
+                self.send_transport_reset();
                 self.run_queues(ops, true);
             }
             EVENT_RXQ => {
@@ -76,7 +77,10 @@ impl MutEventSubscriber for Vsock {
                 self.drain_queue_evt(TXQ);
                 self.run_queues(ops, true);
             }
-            EVENT_EVQ => self.drain_queue_evt(EVQ),
+            EVENT_EVQ => {
+                self.drain_queue_evt(EVQ);
+                self.send_transport_reset();
+            }
             EVENT_LISTENER => {
                 self.muxer.handle_listener(ops);
                 self.run_queues(ops, false);

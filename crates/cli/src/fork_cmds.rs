@@ -1,0 +1,386 @@
+//! The fork verbs: fork, checkpoint, rollback, snapshot. Each is one
+//! request to the vm's VMM over its control socket (`vms/NAME/api.sock`);
+//! the VMM freezes the vm and starts the processes that continue from it
+//! (crates/vmm/src/fork.rs), then the CLI records who is who.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use vmm::api::{self, Identity, NetIdentity, Reply, Request};
+
+use crate::state::{self, VmDir, VmRecord, VmState};
+use crate::vm_cmds::tap_name;
+
+/// The MAC `tine run --net` gives a vm.
+pub const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+
+/// How long a fork may take before the CLI gives up waiting.
+const FORK_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A checkpoint of a vm: a template process holding the frozen moment.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub tag: String,
+    pub pid: u32,
+    pub pid_start: u64,
+    pub created_ms: u64,
+}
+
+/// A running vm's record, or a clear error.
+fn running(home: &Path, name: &str) -> anyhow::Result<(VmDir, VmRecord)> {
+    state::validate_name(name)?;
+    let vm = VmDir::new(home, name);
+    let r = vm.read_record()?;
+    match vm.state(&r) {
+        VmState::Running => Ok((vm, r)),
+        s => bail!("vm {name:?} is {s}: only a running vm can be forked, checkpointed or snapshotted"),
+    }
+}
+
+/// A vm's own host side, as its records say.
+fn identity(vm: &VmDir, r: &VmRecord) -> Identity {
+    Identity {
+        name: vm.name.clone(),
+        console_log: vm.console_log(),
+        console_socket: Some(vm.console_socket()),
+        log: vm.vmm_log(),
+        disks: (0..r.disks).map(|i| vm.disk_layer(i)).collect(),
+        nets: r
+            .mac
+            .map(|mac| {
+                vec![NetIdentity {
+                    tap: tap_name(&vm.name),
+                    mac,
+                }]
+            })
+            .unwrap_or_default(),
+        vsock: r.vsock.then(|| vm.vsock()),
+        api_socket: vm.api_socket(),
+        exit_file: vm.exit_path(),
+    }
+}
+
+/// A locally administered MAC derived from the vm's name.
+fn mac_for(name: &str) -> [u8; 6] {
+    let h = blake3::hash(name.as_bytes());
+    let b = h.as_bytes();
+    [0x52, 0x54, 0x00, b[0], b[1], b[2]]
+}
+
+fn call(socket: &Path, req: &Request) -> anyhow::Result<api::Call> {
+    let call = api::call(socket, req, FORK_TIMEOUT)?;
+    if let Some(e) = &call.reply.error {
+        bail!("{e}");
+    }
+    Ok(call)
+}
+
+/// Points the vm's record at the process it continues in.
+fn moved(vm: &VmDir, r: &mut VmRecord, pid: u32) -> anyhow::Result<()> {
+    r.pid = pid;
+    r.pid_start = state::process_start(pid).unwrap_or(0);
+    vm.write_record(r)
+}
+
+/// `tine fork NAME -n K [--names a,b]`.
+pub fn fork(
+    home: &Path,
+    name: &str,
+    count: Option<usize>,
+    names: Option<String>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let (vm, mut r) = running(home, name)?;
+    let names: Vec<String> = match (names, count) {
+        (Some(list), n) => {
+            let v: Vec<String> = list.split(',').map(|s| s.trim().to_string()).collect();
+            if let Some(n) = n {
+                anyhow::ensure!(
+                    n == v.len(),
+                    "-n {n} but {} names given; give one name per child",
+                    v.len()
+                );
+            }
+            v
+        }
+        (None, Some(n)) => free_names(home, name, n),
+        (None, None) => bail!("say how many children: -n K, or name them: --names a,b,c"),
+    };
+    anyhow::ensure!(!names.is_empty(), "a fork needs at least one child");
+    anyhow::ensure!(names.len() <= 1000, "at most 1000 children per fork");
+    let mut dirs = Vec::with_capacity(names.len());
+    for n in &names {
+        state::validate_name(n)?;
+        let d = VmDir::new(home, n);
+        if d.exists() {
+            bail!("a vm named {n:?} exists; choose other names (or `tine rm {n}`)");
+        }
+        dirs.push(d);
+    }
+    for d in &dirs {
+        let _ = std::fs::remove_dir_all(&d.dir);
+        std::fs::create_dir_all(&d.dir)
+            .with_context(|| format!("cannot create {}", d.dir.display()))?;
+    }
+    let children: Vec<Identity> = dirs
+        .iter()
+        .map(|d| {
+            let child = VmRecord {
+                mac: r.mac.map(|_| mac_for(&d.name)),
+                ..r.clone()
+            };
+            identity(d, &child)
+        })
+        .collect();
+    let t0 = Instant::now();
+    let res = call(
+        &vm.api_socket(),
+        &Request::Fork {
+            children: children.clone(),
+            layers_dir: state::layers_dir(home),
+        },
+    );
+    let call = match res {
+        Ok(c) => c,
+        Err(e) => {
+            for d in &dirs {
+                let _ = std::fs::remove_dir_all(&d.dir);
+            }
+            return Err(e.context(format!("cannot fork {name:?}")));
+        }
+    };
+    let reply = &call.reply.clone();
+    let created = state::now_ms();
+    for (d, (&pid, id)) in dirs.iter().zip(reply.children.iter().zip(&children)) {
+        let rec = VmRecord {
+            name: d.name.clone(),
+            pid,
+            pid_start: state::process_start(pid).unwrap_or(0),
+            created_ms: created,
+            parent: Some(name.to_string()),
+            mac: id.nets.first().map(|n| n.mac),
+            ..r.clone()
+        };
+        d.write_record(&rec)?;
+    }
+    if let Some(pid) = reply.continuation_pid {
+        moved(&vm, &mut r, pid)?;
+    }
+    drop(call);
+    print_reply(json, reply, t0, || {
+        format!(
+            "{name}: forked into {} in {:.1} ms (guest paused {:.2} ms)",
+            names.join(", "),
+            reply.all_children_ms.unwrap_or_default(),
+            reply.pause_ms.unwrap_or_default()
+        )
+    })
+}
+
+/// `NAME-1`, `NAME-2`, ... skipping names in use.
+fn free_names(home: &Path, name: &str, n: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(n);
+    let mut i = 1;
+    while out.len() < n {
+        let cand = format!("{name}-{i}");
+        if !VmDir::new(home, &cand).dir.exists() {
+            out.push(cand);
+        }
+        i += 1;
+    }
+    out
+}
+
+fn print_reply(
+    json: bool,
+    reply: &Reply,
+    t0: Instant,
+    text: impl FnOnce() -> String,
+) -> anyhow::Result<ExitCode> {
+    if json {
+        let mut v = serde_json::to_value(reply)?;
+        v["total_ms"] = serde_json::json!(t0.elapsed().as_secs_f64() * 1000.0);
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        println!("{}", text());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tine checkpoint NAME [--tag T]`.
+pub fn checkpoint(
+    home: &Path,
+    name: &str,
+    tag: Option<String>,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let (vm, mut r) = running(home, name)?;
+    let dir = vm.checkpoints();
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let tag = match tag {
+        Some(t) => t,
+        None => (1..)
+            .map(|i| format!("cp{i}"))
+            .find(|t| !dir.join(format!("{t}.json")).exists())
+            .unwrap_or_else(|| "cp".into()),
+    };
+    state::validate_name(&tag).context("invalid checkpoint tag")?;
+    let record = dir.join(format!("{tag}.json"));
+    if let Ok(old) = read_checkpoint(&record) {
+        if state::process_alive(old.pid, old.pid_start) {
+            bail!("vm {name:?} has a checkpoint {tag:?}; choose another --tag");
+        }
+    }
+    let t0 = Instant::now();
+    let call = call(
+        &vm.api_socket(),
+        &Request::Checkpoint {
+            tag: tag.clone(),
+            socket: dir.join(format!("{tag}.sock")),
+            layers_dir: state::layers_dir(home),
+        },
+    )
+    .with_context(|| format!("cannot checkpoint {name:?}"))?;
+    let reply = &call.reply.clone();
+    if let Some(pid) = reply.template_pid {
+        let rec = CheckpointRecord {
+            tag: tag.clone(),
+            pid,
+            pid_start: state::process_start(pid).unwrap_or(0),
+            created_ms: state::now_ms(),
+        };
+        state::write_atomic(&record, &serde_json::to_vec_pretty(&rec)?)?;
+    }
+    if let Some(pid) = reply.continuation_pid {
+        moved(&vm, &mut r, pid)?;
+    }
+    drop(call);
+    print_reply(json, reply, t0, || {
+        format!(
+            "{name}: checkpoint {tag} (guest paused {:.2} ms)",
+            reply.pause_ms.unwrap_or_default()
+        )
+    })
+}
+
+fn read_checkpoint(path: &Path) -> anyhow::Result<CheckpointRecord> {
+    let text = std::fs::read_to_string(path)?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// `tine rollback NAME TAG`.
+pub fn rollback(home: &Path, name: &str, tag: &str, json: bool) -> anyhow::Result<ExitCode> {
+    state::validate_name(name)?;
+    let vm = VmDir::new(home, name);
+    let mut r = vm.read_record()?;
+    let socket = vm.checkpoints().join(format!("{tag}.sock"));
+    let cp = read_checkpoint(&vm.checkpoints().join(format!("{tag}.json"))).map_err(|_| {
+        anyhow::anyhow!(
+            "vm {name:?} has no checkpoint {tag:?} (see `tine checkpoints {name}`)"
+        )
+    })?;
+    if !state::process_alive(cp.pid, cp.pid_start) {
+        bail!("checkpoint {tag:?} of vm {name:?} is gone (its template process ended)");
+    }
+    let t0 = Instant::now();
+    if vm.state(&r) == VmState::Running {
+        crate::vm_cmds::kill_quietly(&r)?;
+    }
+    let _ = std::fs::remove_file(vm.exit_path());
+    let call = call(
+        &socket,
+        &Request::Rollback {
+            vm: identity(&vm, &r),
+        },
+    )
+    .with_context(|| format!("cannot roll {name:?} back to {tag:?}"))?;
+    let reply = &call.reply.clone();
+    if let Some(pid) = reply.continuation_pid {
+        moved(&vm, &mut r, pid)?;
+    }
+    drop(call);
+    print_reply(json, reply, t0, || {
+        format!(
+            "{name}: rolled back to {tag} in {:.1} ms",
+            t0.elapsed().as_secs_f64() * 1000.0
+        )
+    })
+}
+
+/// `tine checkpoints NAME`: the live checkpoints of a vm.
+pub fn list_checkpoints(home: &Path, name: &str) -> anyhow::Result<Vec<CheckpointRecord>> {
+    let vm = VmDir::new(home, name);
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(vm.checkpoints()) else {
+        return Ok(out);
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "json") {
+            if let Ok(c) = read_checkpoint(&p) {
+                if state::process_alive(c.pid, c.pid_start) {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.created_ms.cmp(&b.created_ms));
+    Ok(out)
+}
+
+/// Ends every checkpoint template of a vm (on `rm`).
+pub fn drop_checkpoints(vm: &VmDir) {
+    let Ok(rd) = std::fs::read_dir(vm.checkpoints()) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if let Ok(c) = read_checkpoint(&p) {
+            if state::process_alive(c.pid, c.pid_start) {
+                // SAFETY: kill(2) of a pid checked to be our template.
+                unsafe {
+                    libc::kill(c.pid as libc::pid_t, libc::SIGKILL);
+                }
+            }
+        }
+    }
+}
+
+/// `tine snapshot NAME --to DIR`.
+pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let (vm, mut r) = running(home, name)?;
+    let dir: PathBuf = if to.is_absolute() {
+        to.into()
+    } else {
+        std::env::current_dir()?.join(to)
+    };
+    if dir.join(vmm::snapshot_dir::MANIFEST).exists() {
+        bail!("{} already holds a snapshot; choose a new directory", dir.display());
+    }
+    let t0 = Instant::now();
+    let call = call(
+        &vm.api_socket(),
+        &Request::Snapshot {
+            dir: dir.clone(),
+            layers_dir: state::layers_dir(home),
+        },
+    )
+    .with_context(|| format!("cannot snapshot {name:?}"))?;
+    let reply = &call.reply.clone();
+    if let Some(pid) = reply.continuation_pid {
+        moved(&vm, &mut r, pid)?;
+    }
+    drop(call);
+    print_reply(json, reply, t0, || {
+        format!(
+            "{name}: snapshot in {} ({} MiB of memory) in {:.0} ms (guest paused {:.2} ms)",
+            dir.display(),
+            reply.memory_bytes.unwrap_or_default() >> 20,
+            reply.snapshot_ms.unwrap_or_default(),
+            reply.pause_ms.unwrap_or_default()
+        )
+    })
+}

@@ -1,0 +1,518 @@
+//! The fork path (ARCHITECTURE.md, docs/design/fork.md): freeze a running
+//! vm, then start processes that continue from the frozen moment.
+//!
+//! 1. [`ForkSource::freeze`]: pause every vCPU, park the device thread,
+//!    save the [`Moment`], flush and freeze each writable disk's top layer
+//!    (it moves to a frozen path; every continuation stacks its own
+//!    overlay on it), and move the vsock socket aside so a continuation
+//!    can listen on the same path.
+//! 2. [`Frozen::spawn`]: fork(2) of this process. The child has one thread
+//!    and this process's memory; it closes every inherited fd it was not
+//!    told to keep, moves guest RAM to a private copy-on-write view (a
+//!    shared memfd is remapped MAP_PRIVATE at the same addresses, which
+//!    costs microseconds because fork(2) copied no page tables for it),
+//!    and runs its body: restore into a new KVM VM and run (a child or the
+//!    parent's continuation), wait as a template (a checkpoint), or write
+//!    the frozen view to a directory (a snapshot).
+//! 3. The caller ends this process once its continuation runs: guest RAM
+//!    the frozen children map must never be written again, and an exiting
+//!    process tears its page tables down off the path the guest waits on.
+//!    [`Frozen::thaw`] undoes step 1 if no continuation could start.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::config::VmConfig;
+use crate::devices::legacy::SerialDevice;
+use crate::devices::park::{ParkControl, ParkError};
+use crate::devices::persist::{DeviceStates, Persist};
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::memory::{self, GuestMemoryMmap, MemoryError, RamBacking};
+use crate::moment::{DeviceLayout, Moment};
+use crate::vstate::{ControlError, VmmHandle};
+
+/// Errors on the fork path.
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    #[error("Another fork, checkpoint or snapshot of this vm is in progress")]
+    Busy,
+    #[error("Cannot pause the vm")]
+    Pause(#[source] ControlError),
+    #[error("Cannot park the device thread")]
+    Park(#[from] ParkError),
+    #[error("Cannot freeze disk {index}")]
+    Disk {
+        index: usize,
+        #[source]
+        source: disk::DiskError,
+    },
+    #[error("Disk {index} needs a path for its frozen layer")]
+    NoFrozenPath { index: usize },
+    #[error("Cannot move the vsock socket {path} aside")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("fork(2) failed")]
+    Fork(#[source] std::io::Error),
+    #[error("Cannot create a pipe to the new process")]
+    Pipe(#[source] std::io::Error),
+    #[error("The new process failed: {0}")]
+    Child(String),
+    #[error("The new process did not report within {0:?}")]
+    ChildTimeout(Duration),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
+
+/// The devices' side of a running vm, for saving them.
+pub struct DeviceControl {
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub transports: Vec<Arc<Mutex<MmioTransport>>>,
+    pub park: ParkControl,
+}
+
+impl DeviceControl {
+    fn save(&self) -> DeviceStates {
+        DeviceStates {
+            serial: lock(&self.serial).save(),
+            virtio: self.transports.iter().map(|t| lock(t).save()).collect(),
+        }
+    }
+
+    /// Calls `f` on each block device's writable disk, with its disk index.
+    fn for_each_disk(
+        &self,
+        mut f: impl FnMut(usize, &mut disk::Disk) -> Result<(), ForkError>,
+    ) -> Result<(), ForkError> {
+        let mut index = 0;
+        for t in &self.transports {
+            let t = lock(t);
+            let mut dev = t.device().lock().unwrap_or_else(|e| e.into_inner());
+            if dev.device_type() != virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK {
+                continue;
+            }
+            if let Some(d) = dev.host_disk() {
+                f(index, d)?;
+            }
+            index += 1;
+        }
+        Ok(())
+    }
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a running vm is forked from: its vCPU control, devices, config
+/// and memory. One per VMM process.
+pub struct ForkSource {
+    handle: VmmHandle,
+    devices: Mutex<DeviceControl>,
+    config: VmConfig,
+    mem: GuestMemoryMmap,
+    backing: RamBacking,
+    tap_fds: Vec<i32>,
+    busy: Mutex<()>,
+}
+
+impl ForkSource {
+    pub(crate) fn new(
+        handle: VmmHandle,
+        devices: DeviceControl,
+        config: VmConfig,
+        mem: GuestMemoryMmap,
+        backing: RamBacking,
+        tap_fds: Vec<i32>,
+    ) -> Self {
+        Self {
+            handle,
+            devices: Mutex::new(devices),
+            config,
+            mem,
+            backing,
+            tap_fds,
+            busy: Mutex::new(()),
+        }
+    }
+
+    /// The vm's configuration (its host side).
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// The vCPU control.
+    pub fn handle(&self) -> &VmmHandle {
+        &self.handle
+    }
+
+    /// Step 1 of the fork path. `frozen_path(i)` names where writable disk
+    /// `i`'s top layer goes. On error the vm runs on unchanged.
+    pub fn freeze(
+        &self,
+        frozen_path: impl Fn(usize) -> Option<PathBuf>,
+    ) -> Result<Frozen<'_>, ForkError> {
+        let busy = self.busy.try_lock().map_err(|_| ForkError::Busy)?;
+        let started = Instant::now();
+        self.handle.pause().map_err(ForkError::Pause)?;
+        let mut devices = lock(&self.devices);
+        let saved = devices
+            .park
+            .park()
+            .map_err(ForkError::from)
+            .and_then(|()| self.handle.save_state().map_err(ForkError::Pause));
+        let machine = match saved {
+            Ok(m) => m,
+            Err(e) => {
+                devices.park.unpark();
+                drop(devices);
+                let _ = self.handle.resume();
+                return Err(e);
+            }
+        };
+        let moment = Moment {
+            machine,
+            devices: devices.save(),
+            mem_mib: self.config.mem_mib,
+            layout: DeviceLayout::of(&self.config),
+        };
+        let mut disks = Vec::new();
+        let res = devices.for_each_disk(|index, d| {
+            let top = d.path().to_path_buf();
+            let to = frozen_path(index).ok_or(ForkError::NoFrozenPath { index })?;
+            d.freeze_to(&to)
+                .map_err(|source| ForkError::Disk { index, source })?;
+            disks.push(FrozenDisk {
+                index,
+                top,
+                frozen: to,
+            });
+            Ok(())
+        });
+        drop(devices);
+        let mut frozen = Frozen {
+            source: self,
+            _busy: busy,
+            moment,
+            disks,
+            socket_aside: None,
+            started,
+            thawed: false,
+        };
+        if let Err(e) = res {
+            let _ = frozen.thaw_in_place();
+            return Err(e);
+        }
+        if let Some(v) = &self.config.vsock {
+            let aside = aside_path(&v.uds_path);
+            if let Err(source) = std::fs::rename(&v.uds_path, &aside) {
+                let _ = frozen.thaw_in_place();
+                return Err(ForkError::Socket {
+                    path: v.uds_path.clone(),
+                    source,
+                });
+            }
+            frozen.socket_aside = Some((v.uds_path.clone(), aside));
+        }
+        Ok(frozen)
+    }
+}
+
+fn aside_path(p: &Path) -> PathBuf {
+    let mut s = p.as_os_str().to_owned();
+    s.push(format!(".frozen-{}", std::process::id()));
+    PathBuf::from(s)
+}
+
+/// A writable disk whose top layer was frozen.
+#[derive(Clone, Debug)]
+pub struct FrozenDisk {
+    /// Index among the vm's disks (`VmConfig::disks`).
+    pub index: usize,
+    /// Where the top layer was (the continuation's new overlay goes here).
+    pub top: PathBuf,
+    /// Where it is now, read-only.
+    pub frozen: PathBuf,
+}
+
+/// Everything a forked process continues from: the frozen moment, its
+/// memory and the parent's host side. A template (a checkpoint) keeps one
+/// and forks from it again.
+#[derive(Clone)]
+pub struct ForkParts {
+    pub mem: GuestMemoryMmap,
+    pub backing: RamBacking,
+    pub moment: Moment,
+    pub config: VmConfig,
+    pub disks: Vec<FrozenDisk>,
+    pub tap_fds: Vec<i32>,
+}
+
+/// A paused vm with its moment saved and disks frozen (step 1 done).
+pub struct Frozen<'a> {
+    source: &'a ForkSource,
+    _busy: MutexGuard<'a, ()>,
+    moment: Moment,
+    disks: Vec<FrozenDisk>,
+    socket_aside: Option<(PathBuf, PathBuf)>,
+    started: Instant,
+    thawed: bool,
+}
+
+/// What the body of a forked process gets.
+pub struct Offspring {
+    /// What it continues from; guest RAM is now a private view
+    /// (`parts.backing` is [`RamBacking::Private`]). `parts.tap_fds` are
+    /// open here only if they were kept.
+    pub parts: ForkParts,
+    report: File,
+}
+
+impl Offspring {
+    /// Tells the parent this process is ready (`detail` is one line, e.g.
+    /// JSON). The parent's [`Spawned::wait_ready`] returns it.
+    pub fn ready(&mut self, detail: &str) {
+        let _ = writeln!(self.report, "ok {}", detail.replace('\n', " "));
+    }
+
+    /// Tells the parent this process failed; it then exits.
+    pub fn failed(&mut self, why: &str) {
+        let _ = writeln!(self.report, "err {}", why.replace('\n', " "));
+    }
+}
+
+/// A forked process, seen from the parent.
+pub struct Spawned {
+    pub pid: u32,
+    report: BufReader<File>,
+}
+
+impl Spawned {
+    /// Waits for the process to report ready; returns its detail line.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<String, ForkError> {
+        let fd = self.report.get_ref().as_raw_fd();
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: polls one valid pollfd for the given time.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n == 0 {
+            return Err(ForkError::ChildTimeout(timeout));
+        }
+        let mut line = String::new();
+        match self.report.read_line(&mut line) {
+            Ok(0) | Err(_) => Err(ForkError::Child(
+                "it exited without reporting (see its log)".into(),
+            )),
+            Ok(_) => {
+                let line = line.trim_end();
+                match line.split_once(' ') {
+                    Some(("ok", d)) => Ok(d.to_string()),
+                    Some(("err", e)) => Err(ForkError::Child(e.to_string())),
+                    _ => Err(ForkError::Child(format!("unexpected report {line:?}"))),
+                }
+            }
+        }
+    }
+}
+
+impl Frozen<'_> {
+    /// The saved moment.
+    pub fn moment(&self) -> &Moment {
+        &self.moment
+    }
+
+    /// The frozen disks.
+    pub fn disks(&self) -> &[FrozenDisk] {
+        &self.disks
+    }
+
+    /// When the pause began.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Whether the source's RAM is a shared memfd (then this process must
+    /// end once a continuation runs).
+    pub fn backing(&self) -> RamBacking {
+        self.source.backing
+    }
+
+    /// What a forked process continues from.
+    pub fn parts(&self) -> ForkParts {
+        ForkParts {
+            mem: self.source.mem.clone(),
+            backing: self.source.backing,
+            moment: self.moment.clone(),
+            config: self.source.config.clone(),
+            disks: self.disks.clone(),
+            tap_fds: self.source.tap_fds.clone(),
+        }
+    }
+
+    /// Step 2: forks a process that runs `body` (see [`spawn`]).
+    pub fn spawn(
+        &self,
+        keep_taps: bool,
+        body: impl FnOnce(&mut Offspring) -> i32,
+    ) -> Result<Spawned, ForkError> {
+        spawn(&self.parts(), keep_taps, body)
+    }
+
+    /// Undoes the freeze: disks and the vsock socket move back, devices
+    /// and vCPUs go on. Only before any process continued the vm.
+    pub fn thaw(mut self) -> Result<(), ForkError> {
+        self.thaw_in_place()
+    }
+
+    fn thaw_in_place(&mut self) -> Result<(), ForkError> {
+        self.thawed = true;
+        let mut devices = lock(&self.source.devices);
+        let disks = std::mem::take(&mut self.disks);
+        let res = devices.for_each_disk(|index, d| {
+            if let Some(f) = disks.iter().find(|f| f.index == index) {
+                d.thaw(&f.top)
+                    .map_err(|source| ForkError::Disk { index, source })?;
+            }
+            Ok(())
+        });
+        if let Some((path, aside)) = self.socket_aside.take() {
+            let _ = std::fs::rename(aside, path);
+        }
+        devices.park.unpark();
+        drop(devices);
+        self.source.handle.resume().map_err(ForkError::Pause)?;
+        res
+    }
+
+    /// Ends the freeze for a source that lives on (a private-memory source
+    /// whose continuation is this process): devices and vCPUs go on.
+    /// Frozen disks stay frozen: the caller reopens its own overlays.
+    pub fn leave_frozen(mut self) {
+        self.thawed = true;
+    }
+}
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        if !self.thawed {
+            // The caller did not say: the safe default for guest RAM that
+            // children may share is to stay paused, so nothing is undone.
+            tracing::debug!("frozen vm dropped without thaw: it stays paused");
+        }
+    }
+}
+
+/// Forks a process that continues from `parts`, runs `body` and exits
+/// with its return value. `keep_taps` keeps the tap fds open in it (for
+/// the parent's continuation and templates only: a tap has one reader).
+pub fn spawn(
+    parts: &ForkParts,
+    keep_taps: bool,
+    body: impl FnOnce(&mut Offspring) -> i32,
+) -> Result<Spawned, ForkError> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(ForkError::Pipe(std::io::Error::last_os_error()));
+    }
+    // SAFETY: both fds are fresh and owned here.
+    let (read_end, write_end) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    // SAFETY: fork(2); the child runs only `child_main`, which never
+    // returns into the parent's frames (it ends with _exit).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(ForkError::Fork(std::io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        std::mem::forget(read_end);
+        child_main(parts, write_end, keep_taps, body);
+    }
+    drop(write_end);
+    Ok(Spawned {
+        pid: pid as u32,
+        report: BufReader::new(read_end),
+    })
+}
+
+fn child_main(
+    parts: &ForkParts,
+    report: File,
+    keep_taps: bool,
+    body: impl FnOnce(&mut Offspring) -> i32,
+) -> ! {
+    let mut keep = memory::backing_fds(&parts.mem);
+    keep.push(report.as_raw_fd());
+    if keep_taps {
+        keep.extend_from_slice(&parts.tap_fds);
+    }
+    close_fds_except(&keep);
+    let remapped = match parts.backing {
+        RamBacking::SharedMemfd => memory::make_private(&parts.mem),
+        RamBacking::Private => Ok(()),
+    };
+    let mut off = Offspring {
+        parts: ForkParts {
+            backing: RamBacking::Private,
+            tap_fds: if keep_taps {
+                parts.tap_fds.clone()
+            } else {
+                Vec::new()
+            },
+            ..parts.clone()
+        },
+        report,
+    };
+    let code = match remapped {
+        Err(e) => {
+            off.failed(&e.to_string());
+            1
+        }
+        Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off)))
+            .unwrap_or(101),
+    };
+    // SAFETY: ends this forked process without running the parent's
+    // destructors or atexit handlers.
+    unsafe { libc::_exit(code) }
+}
+
+/// Logs how long a step of the fork path took since `t0` (TINE_LOG=debug).
+pub fn trace(t0: Instant, what: &str) {
+    tracing::debug!("fork path: {what} at {:.3} ms", t0.elapsed().as_secs_f64() * 1000.0);
+}
+
+/// Closes every fd of this process except 0, 1, 2 and `keep`.
+fn close_fds_except(keep: &[i32]) {
+    let mut keep: Vec<u32> = keep
+        .iter()
+        .filter_map(|&f| u32::try_from(f).ok())
+        .filter(|&f| f > 2)
+        .collect();
+    keep.sort_unstable();
+    keep.dedup();
+    let mut lo = 3u32;
+    for &k in &keep {
+        if k > lo {
+            close_range(lo, k - 1);
+        }
+        lo = k + 1;
+    }
+    close_range(lo, u32::MAX);
+}
+
+fn close_range(lo: u32, hi: u32) {
+    // SAFETY: close_range(2) only closes descriptors; the objects that
+    // owned them in the parent are never used or dropped in this process.
+    unsafe {
+        libc::syscall(libc::SYS_close_range, lo, hi, 0);
+    }
+}

@@ -1,0 +1,532 @@
+//! One VMM process: run a vm, serve its control socket, and carry out
+//! forks, checkpoints, snapshots and rollbacks (the bodies of the
+//! processes the fork path starts live here too).
+//!
+//! [`serve`] is the main loop of every VMM process, whether it booted the
+//! vm, was forked from another, or restored a snapshot directory.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::api::{Identity, Reply, Request};
+use crate::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
+use crate::exit::GuestExit;
+use crate::fork::{self, ForkError, ForkParts, ForkSource, Frozen, Offspring, Spawned};
+use crate::memory::RamBacking;
+use crate::{snapshot_dir, RunError, Vmm};
+
+/// How long a forked vm may take to report that it runs.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a snapshot writer may take.
+const WRITER_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// The process's own identity.
+#[derive(Clone, Debug, Default)]
+pub struct ProcessOptions {
+    pub name: String,
+    /// Control socket (none: the vm cannot be forked from outside).
+    pub api_socket: Option<PathBuf>,
+    /// Written with why the vm ended.
+    pub exit_file: Option<PathBuf>,
+}
+
+/// Why a vm ended, as written to the exit file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub reason: String,
+    /// Unix time in ms.
+    pub ended_ms: u64,
+}
+
+/// Errors of a VMM process.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Run(#[from] RunError),
+    #[error("Cannot listen on the control socket {path}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Runs `vmm` until it exits, serving its control socket; `on_running` is
+/// called once its vCPUs run. Writes the exit file and returns why it ended.
+pub fn serve(
+    vmm: Vmm,
+    opts: ProcessOptions,
+    on_running: impl FnOnce(),
+) -> Result<GuestExit, ServeError> {
+    let running = vmm.start()?;
+    if let (Some(path), Some(source)) = (&opts.api_socket, running.fork_source()) {
+        let listener = bind(path)?;
+        let opts = opts.clone();
+        std::thread::Builder::new()
+            .name("api".into())
+            .spawn(move || api_loop(listener, source, opts))
+            .map_err(|e| RunError::Thread("api", e))?;
+    }
+    on_running();
+    let exit = running.wait();
+    write_exit(&opts, &exit.to_string());
+    Ok(exit)
+}
+
+/// Records why the vm ended (best effort: the process is ending).
+pub fn write_exit(opts: &ProcessOptions, reason: &str) {
+    if let Some(path) = &opts.exit_file {
+        let rec = ExitRecord {
+            reason: reason.to_string(),
+            ended_ms: now_ms(),
+        };
+        if let Ok(bytes) = serde_json::to_vec(&rec) {
+            let tmp = path.with_extension("tmp");
+            if std::fs::write(&tmp, bytes).is_ok() {
+                let _ = std::fs::rename(tmp, path);
+            }
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Listens on `path`, replacing a stale socket file.
+fn bind(path: &Path) -> Result<UnixListener, ServeError> {
+    if UnixStream::connect(path).is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    UnixListener::bind(path).map_err(|source| ServeError::Listen {
+        path: path.into(),
+        source,
+    })
+}
+
+/// Reads one request line.
+fn read_request(conn: &UnixStream) -> Result<Request, String> {
+    let mut line = String::new();
+    BufReader::new(conn)
+        .read_line(&mut line)
+        .map_err(|e| format!("cannot read the request: {e}"))?;
+    serde_json::from_str(&line).map_err(|e| format!("bad request: {e}"))
+}
+
+fn send(mut conn: &UnixStream, reply: &Reply) {
+    if let Ok(mut bytes) = serde_json::to_vec(reply) {
+        bytes.push(b'\n');
+        let _ = conn.write_all(&bytes);
+    }
+}
+
+/// Waits (bounded) until the client closed the connection: it records the
+/// new pids before this process goes away.
+fn wait_closed(conn: &UnixStream) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut buf = [0u8; 64];
+    let mut r = conn;
+    while matches!(std::io::Read::read(&mut r, &mut buf), Ok(n) if n > 0) {}
+}
+
+fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOptions) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let req = match read_request(&conn) {
+            Ok(r) => r,
+            Err(e) => {
+                send(&conn, &Reply::error(e));
+                continue;
+            }
+        };
+        let reply = match req {
+            Request::Ping => Reply {
+                pid: std::process::id(),
+                name: opts.name.clone(),
+                ..Reply::default()
+            },
+            Request::Fork {
+                children,
+                layers_dir,
+            } => freeze_and(&source, &opts, &layers_dir, |frozen, t0| {
+                fork_children(frozen, &children, t0)
+            }),
+            Request::Checkpoint {
+                tag,
+                socket,
+                layers_dir,
+            } => freeze_and(&source, &opts, &layers_dir, |frozen, _| {
+                let mut t = frozen.spawn(true, |off| template_body(off, &tag, &socket))?;
+                t.wait_ready(READY_TIMEOUT)?;
+                Ok(Reply {
+                    template_pid: Some(t.pid),
+                    ..Reply::default()
+                })
+            }),
+            Request::Snapshot { dir, layers_dir } => {
+                freeze_and(&source, &opts, &layers_dir, |frozen, t0| {
+                    let name = opts.name.clone();
+                    let mut w =
+                        frozen.spawn(false, |off| writer_body(off, &dir, &name))?;
+                    let detail = w.wait_ready(WRITER_TIMEOUT)?;
+                    Ok(Reply {
+                        snapshot_ms: Some(ms(t0.elapsed())),
+                        memory_bytes: detail.parse().ok(),
+                        ..Reply::default()
+                    })
+                })
+            }
+            Request::Rollback { .. } | Request::Drop => {
+                Reply::error("this is a running vm, not a checkpoint")
+            }
+        };
+        let done = reply.error.is_none() && reply.continuation_pid.is_some();
+        send(&conn, &reply);
+        if done {
+            // The vm continues in another process; this one only held the
+            // frozen memory, which nobody needs from it any more.
+            wait_closed(&conn);
+            // SAFETY: ends the process without running destructors that
+            // would remove sockets the continuation now owns.
+            unsafe { libc::_exit(0) }
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// The fork path around `then`: freeze, start the continuation, run
+/// `then` (which starts the other processes), and say how long the guest
+/// was paused. If the continuation cannot start, the vm thaws and runs on
+/// here.
+fn freeze_and(
+    source: &ForkSource,
+    opts: &ProcessOptions,
+    layers_dir: &Path,
+    then: impl FnOnce(&Frozen, Instant) -> Result<Reply, ForkError>,
+) -> Reply {
+    let t0 = Instant::now();
+    let stamp = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0);
+    if let Err(e) = std::fs::create_dir_all(layers_dir) {
+        return Reply::error(format!("cannot create {}: {e}", layers_dir.display()));
+    }
+    let frozen = match source.freeze(|i| {
+        Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name)))
+    }) {
+        Ok(f) => f,
+        Err(e) => return Reply::error(chain(&e)),
+    };
+    // The continuation listens on the same control socket path.
+    let api_aside = opts.api_socket.as_ref().map(|p| {
+        let aside = p.with_extension(format!("frozen-{}", std::process::id()));
+        let _ = std::fs::rename(p, &aside);
+        (p.clone(), aside)
+    });
+    let me = continuation_identity(source.config(), opts, frozen.disks());
+    let cont = frozen
+        .spawn(true, |off| vm_body(off, &me, Mode::Continuation))
+        .and_then(|mut c| c.wait_ready(READY_TIMEOUT).map(|_| c));
+    let cont = match cont {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some((p, aside)) = api_aside {
+                let _ = std::fs::rename(aside, p);
+            }
+            let thawed = frozen.thaw();
+            let mut msg = format!("the vm could not continue after the freeze: {}", chain(&e));
+            if let Err(t) = thawed {
+                msg.push_str(&format!("; and it could not be thawed: {}", chain(&t)));
+            }
+            return Reply::error(msg);
+        }
+    };
+    let pause_ms = ms(frozen.started().elapsed());
+    if let Some((_, aside)) = api_aside {
+        let _ = std::fs::remove_file(aside);
+    }
+    let mut reply = match then(&frozen, t0) {
+        Ok(r) => r,
+        Err(e) => Reply::error(format!(
+            "{} (the vm itself continues as pid {})",
+            chain(&e),
+            cont.pid
+        )),
+    };
+    frozen.leave_frozen();
+    reply.pid = std::process::id();
+    reply.name = opts.name.clone();
+    reply.continuation_pid = Some(cont.pid);
+    reply.pause_ms = Some(pause_ms);
+    reply
+}
+
+/// Starts one process per child; returns when all run.
+fn fork_children(frozen: &Frozen, children: &[Identity], t0: Instant) -> Result<Reply, ForkError> {
+    let mut spawned: Vec<Spawned> = Vec::with_capacity(children.len());
+    for id in children {
+        spawned.push(frozen.spawn(false, |off| vm_body(off, id, Mode::Child))?);
+    }
+    let mut reply = Reply::default();
+    for s in &mut spawned {
+        s.wait_ready(READY_TIMEOUT)?;
+        reply.children.push(s.pid);
+        reply.child_running_ms.push(ms(t0.elapsed()));
+    }
+    reply.all_children_ms = Some(ms(t0.elapsed()));
+    Ok(reply)
+}
+
+/// An error and its causes on one line.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// The parent's own identity, for its continuation.
+fn continuation_identity(
+    config: &VmConfig,
+    opts: &ProcessOptions,
+    disks: &[fork::FrozenDisk],
+) -> Identity {
+    Identity {
+        name: opts.name.clone(),
+        console_log: config.console_log.clone().unwrap_or_default(),
+        console_socket: config.console_socket.clone(),
+        log: PathBuf::new(),
+        disks: disks.iter().map(|d| d.top.clone()).collect(),
+        nets: Vec::new(),
+        vsock: config.vsock.as_ref().map(|v| v.uds_path.clone()),
+        api_socket: opts.api_socket.clone().unwrap_or_default(),
+        exit_file: opts.exit_file.clone().unwrap_or_default(),
+    }
+}
+
+/// Which process a [`vm_body`] is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The vm itself, going on: keeps stdio, console settings and taps.
+    Continuation,
+    /// A new vm with its own identity.
+    Child,
+    /// The vm started again from a checkpoint: its own identity, the
+    /// template's taps.
+    Rollback,
+}
+
+/// Body of a process that runs a vm from the frozen moment.
+fn vm_body(off: &mut Offspring, id: &Identity, mode: Mode) -> i32 {
+    match start_vm(off, id, mode) {
+        Ok(code) => code,
+        Err(e) => {
+            off.failed(&e);
+            1
+        }
+    }
+}
+
+fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, String> {
+    let t = Instant::now();
+    let mark = |what: &str| fork::trace(t, what);
+    if mode != Mode::Continuation {
+        redirect_stdio(&id.log)?;
+    }
+    let parts = &off.parts;
+    let config = vm_config(parts, id, mode)?;
+    for (k, d) in parts.disks.iter().enumerate() {
+        let top = &config.disks[d.index].path;
+        let _ = k;
+        disk::create_overlay(&d.frozen, top)
+            .map_err(|e| format!("cannot create the top layer {}: {}", top.display(), chain(&e)))?;
+    }
+    mark("overlays");
+    let vmm = crate::restore(&config, parts.mem.clone(), RamBacking::Private, &parts.moment)
+        .map_err(|e| format!("cannot restore the vm: {}", chain(&e)))?;
+    mark("restored");
+    let opts = ProcessOptions {
+        name: id.name.clone(),
+        api_socket: Some(id.api_socket.clone()).filter(|p| !p.as_os_str().is_empty()),
+        exit_file: Some(id.exit_file.clone()).filter(|p| !p.as_os_str().is_empty()),
+    };
+    let pid = std::process::id();
+    let exit = serve(vmm, opts, || {
+        mark("running");
+        off.ready(&pid.to_string())
+    })
+        .map_err(|e| format!("cannot run the vm: {}", chain(&e)))?;
+    Ok(exit.exit_code())
+}
+
+/// The configuration of a vm continuing from `parts` as `id`.
+fn vm_config(parts: &ForkParts, id: &Identity, mode: Mode) -> Result<VmConfig, String> {
+    let mut c = parts.config.clone();
+    if mode != Mode::Continuation {
+        c.console_log = Some(id.console_log.clone());
+        c.console_socket = id.console_socket.clone();
+        c.console_stdout = false;
+        c.console_stdin = false;
+    }
+    for (k, d) in parts.disks.iter().enumerate() {
+        let top = match mode {
+            Mode::Continuation => d.top.clone(),
+            _ => id.disks.get(k).cloned().ok_or_else(|| {
+                format!(
+                    "the vm has {} writable disks; give a top layer for each",
+                    parts.disks.len()
+                )
+            })?,
+        };
+        c.disks[d.index] = DiskConfig {
+            path: top,
+            read_only: false,
+        };
+    }
+    let taps = &parts.tap_fds;
+    c.nets = c
+        .nets
+        .iter()
+        .enumerate()
+        .map(|(j, n)| match (mode, taps.get(j), id.nets.get(j)) {
+            (Mode::Child, _, Some(ni)) => Ok(NetConfig {
+                tap: ni.tap.clone(),
+                mac: ni.mac,
+                tap_fd: None,
+            }),
+            (Mode::Child, _, None) => Err(format!(
+                "the vm has {} network devices; give each child a tap",
+                parts.config.nets.len()
+            )),
+            (_, Some(&fd), _) => Ok(NetConfig {
+                tap: n.tap.clone(),
+                mac: n.mac,
+                tap_fd: Some(fd),
+            }),
+            (_, None, _) => Ok(NetConfig {
+                tap_fd: None,
+                ..n.clone()
+            }),
+        })
+        .collect::<Result<_, _>>()?;
+    if let Some(v) = &c.vsock {
+        let path = id
+            .vsock
+            .clone()
+            .ok_or("the vm has a vsock device; give a socket path")?;
+        c.vsock = Some(VsockConfig {
+            guest_cid: v.guest_cid,
+            uds_path: path,
+        });
+    }
+    Ok(c)
+}
+
+/// stdin from /dev/null, stdout and stderr appended to `log`.
+fn redirect_stdio(log: &Path) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let null = std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| format!("cannot open {}: {e}", log.display()))?;
+    // SAFETY: dup2 onto the standard descriptors; both sources are open.
+    unsafe {
+        libc::dup2(null.as_raw_fd(), 0);
+        libc::dup2(out.as_raw_fd(), 1);
+        libc::dup2(out.as_raw_fd(), 2);
+    }
+    Ok(())
+}
+
+/// Body of a checkpoint's template: holds the frozen moment and starts the
+/// vm from it again on request (rollback).
+fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
+    let listener = match bind(socket) {
+        Ok(l) => l,
+        Err(e) => {
+            off.failed(&chain(&e));
+            return 1;
+        }
+    };
+    off.ready(&std::process::id().to_string());
+    let parts = off.parts.clone();
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let reply = match read_request(&conn) {
+            Err(e) => Reply::error(e),
+            Ok(Request::Ping) => Reply {
+                pid: std::process::id(),
+                name: tag.to_string(),
+                ..Reply::default()
+            },
+            Ok(Request::Drop) => {
+                send(
+                    &conn,
+                    &Reply {
+                        pid: std::process::id(),
+                        ..Reply::default()
+                    },
+                );
+                let _ = std::fs::remove_file(socket);
+                return 0;
+            }
+            Ok(Request::Rollback { vm }) => rollback(&parts, &vm),
+            Ok(_) => Reply::error("this is a checkpoint: it takes rollback, ping and drop"),
+        };
+        send(&conn, &reply);
+    }
+    0
+}
+
+/// Starts the vm `id` again from a checkpoint. The caller has stopped the
+/// vm; its top layers are replaced by fresh overlays on the frozen ones.
+fn rollback(parts: &ForkParts, id: &Identity) -> Reply {
+    let t0 = Instant::now();
+    for top in &id.disks {
+        let _ = std::fs::remove_file(top);
+    }
+    let started = fork::spawn(parts, true, |off| vm_body(off, id, Mode::Rollback))
+        .and_then(|mut s| s.wait_ready(READY_TIMEOUT).map(|_| s));
+    match started {
+        Ok(s) => Reply {
+            pid: std::process::id(),
+            name: id.name.clone(),
+            continuation_pid: Some(s.pid),
+            pause_ms: Some(ms(t0.elapsed())),
+            ..Reply::default()
+        },
+        Err(e) => Reply::error(format!("cannot start the vm from the checkpoint: {}", chain(&e))),
+    }
+}
+
+/// Body of a snapshot writer: writes the frozen view and exits.
+fn writer_body(off: &mut Offspring, dir: &Path, name: &str) -> i32 {
+    match snapshot_dir::write(&off.parts, dir, name) {
+        Ok(bytes) => {
+            off.ready(&bytes.to_string());
+            0
+        }
+        Err(e) => {
+            off.failed(&chain(&e));
+            1
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! A snapshot directory: `memory` (guest RAM, a sparse file at the RAM's
+//! layout), `state` (the [`Moment`] in tine-snapshot's envelope) and
+//! `manifest.json` (what it needs to be restored; written last, so a
+//! directory without it is not a snapshot). Disks are referenced as
+//! frozen layers, not copied.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+
+use crate::fork::ForkParts;
+use crate::moment::{DeviceLayout, Moment};
+
+pub const MANIFEST: &str = "manifest.json";
+pub const MEMORY: &str = "memory";
+pub const STATE: &str = "state";
+
+/// What a snapshot needs to be restored.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// tine that wrote it.
+    pub tine_version: String,
+    /// State format of `state` (tine-snapshot).
+    pub format_version: u32,
+    pub name: String,
+    pub created_ms: u64,
+    pub mem_mib: u64,
+    pub vcpus: usize,
+    pub layout: DeviceLayout,
+    /// Every disk in order: a frozen layer (stack an overlay on it) or a
+    /// read-only image attached as it is.
+    pub disks: Vec<SnapshotDisk>,
+    /// The vsock's guest CID, if the vm has a vsock.
+    pub vsock_cid: Option<u64>,
+    /// Bytes of data in `memory` (the rest are holes).
+    pub memory_bytes: u64,
+    /// What the host must offer to restore it (checked first).
+    pub compat: snapshot::compat::Compat,
+}
+
+/// A disk of a snapshot.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SnapshotDisk {
+    pub path: PathBuf,
+    /// A frozen layer (true) or a read-only base (false).
+    pub frozen: bool,
+}
+
+/// Errors writing or reading a snapshot directory.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotDirError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0} already holds a snapshot; choose an empty or new directory")]
+    NotEmpty(PathBuf),
+    #[error("{0} is not a tine snapshot (no manifest.json)")]
+    NotASnapshot(PathBuf),
+    #[error("{path} is not a valid manifest: {source}")]
+    Manifest {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: {source}")]
+    State {
+        path: PathBuf,
+        #[source]
+        source: snapshot::StateError,
+    },
+    #[error("{path} has {found} bytes but the snapshot's memory is {want} bytes: the file is truncated or not this snapshot's")]
+    MemorySize { path: PathBuf, found: u64, want: u64 },
+    #[error("The manifest and the state disagree: {0}")]
+    Mismatch(String),
+    #[error("Cannot read this host's KVM capabilities")]
+    Host(#[from] crate::compat::CompatCollectError),
+    #[error("{dir} cannot be restored on this host:\n{source}")]
+    Incompatible {
+        dir: PathBuf,
+        #[source]
+        source: snapshot::compat::CompatError,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotDirError + '_ {
+    move |source| SnapshotDirError::Io {
+        path: path.into(),
+        source,
+    }
+}
+
+/// Writes `parts` (a frozen, private view) to `dir`; returns the bytes of
+/// memory data written. Only pages the guest ever populated are read
+/// (mincore), so untouched RAM costs nothing and stays a hole.
+pub fn write(parts: &ForkParts, dir: &Path, name: &str) -> Result<u64, SnapshotDirError> {
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    if dir.join(MANIFEST).exists() {
+        return Err(SnapshotDirError::NotEmpty(dir.into()));
+    }
+    let mem_path = dir.join(MEMORY);
+    let file = File::create(&mem_path).map_err(io(&mem_path))?;
+    let total: u64 = parts.mem.iter().map(|r| r.len()).sum();
+    file.set_len(total).map_err(io(&mem_path))?;
+    let mut offset = 0u64;
+    let mut written = 0u64;
+    for region in parts.mem.iter() {
+        written += write_region(&file, region.as_ptr(), region.len() as usize, offset)
+            .map_err(io(&mem_path))?;
+        offset += region.len();
+    }
+    file.sync_all().map_err(io(&mem_path))?;
+
+    let state_path = dir.join(STATE);
+    let bytes = snapshot::encode(&parts.moment).map_err(|source| SnapshotDirError::State {
+        path: state_path.clone(),
+        source,
+    })?;
+    write_synced(&state_path, &bytes)?;
+
+    let config = &parts.config;
+    let host = crate::compat::host_compat(&config.kvm_device)?;
+    let compat = crate::compat::snapshot_compat(
+        &parts.moment.machine,
+        parts.moment.layout.kinds(),
+        parts.moment.mem_mib,
+        &host,
+    );
+    let disks = config
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(i, d)| match parts.disks.iter().find(|f| f.index == i) {
+            Some(f) => SnapshotDisk {
+                path: f.frozen.clone(),
+                frozen: true,
+            },
+            None => SnapshotDisk {
+                path: d.path.clone(),
+                frozen: false,
+            },
+        })
+        .collect();
+    let manifest = Manifest {
+        tine_version: env!("CARGO_PKG_VERSION").into(),
+        format_version: snapshot::FORMAT_VERSION,
+        name: name.into(),
+        created_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
+        mem_mib: parts.moment.mem_mib,
+        vcpus: parts.moment.machine.vcpus.len(),
+        layout: parts.moment.layout,
+        disks,
+        vsock_cid: config.vsock.as_ref().map(|v| v.guest_cid),
+        memory_bytes: written,
+        compat,
+    };
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| SnapshotDirError::Manifest {
+        path: dir.join(MANIFEST),
+        source: e,
+    })?;
+    let tmp = dir.join("manifest.json.tmp");
+    write_synced(&tmp, &json)?;
+    let path = dir.join(MANIFEST);
+    fs::rename(&tmp, &path).map_err(io(&path))?;
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(written)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), SnapshotDirError> {
+    let mut f = File::create(path).map_err(io(path))?;
+    f.write_all(bytes).map_err(io(path))?;
+    f.sync_all().map_err(io(path))
+}
+
+/// Writes the populated pages of one mapped region at `offset`.
+fn write_region(file: &File, base: *mut u8, len: usize, offset: u64) -> std::io::Result<u64> {
+    const PAGE: usize = 4096;
+    let pages = len / PAGE;
+    let mut vec = vec![0u8; pages];
+    // SAFETY: `base..base+len` is one live mapping of guest RAM and `vec`
+    // has one byte per page, as mincore(2) requires.
+    let rc = unsafe { libc::mincore(base.cast(), len, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut written = 0u64;
+    let mut p = 0;
+    while p < pages {
+        if vec[p] & 1 == 0 {
+            p += 1;
+            continue;
+        }
+        let start = p;
+        while p < pages && vec[p] & 1 == 1 && p - start < 256 {
+            p += 1;
+        }
+        // SAFETY: the run lies inside the mapping; the process is a frozen
+        // view nobody writes while it is read.
+        let run = unsafe { std::slice::from_raw_parts(base.add(start * PAGE), (p - start) * PAGE) };
+        // Zero pages stay holes.
+        for (i, page) in run.chunks(PAGE).enumerate() {
+            if page.iter().any(|&b| b != 0) {
+                file.write_all_at(page, offset + ((start + i) * PAGE) as u64)?;
+                written += PAGE as u64;
+            }
+        }
+    }
+    Ok(written)
+}
+
+/// Reads and checks a snapshot directory's manifest and state.
+pub fn load(dir: &Path) -> Result<(Manifest, Moment), SnapshotDirError> {
+    let path = dir.join(MANIFEST);
+    let text = match fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(SnapshotDirError::NotASnapshot(dir.into()))
+        }
+        Err(e) => return Err(io(&path)(e)),
+    };
+    let manifest: Manifest = serde_json::from_slice(&text)
+        .map_err(|source| SnapshotDirError::Manifest { path: path.clone(), source })?;
+    let state_path = dir.join(STATE);
+    let bytes = fs::read(&state_path).map_err(io(&state_path))?;
+    let moment: Moment = snapshot::decode(&bytes).map_err(|source| SnapshotDirError::State {
+        path: state_path,
+        source,
+    })?;
+    let mem_path = dir.join(MEMORY);
+    let found = fs::metadata(&mem_path).map_err(io(&mem_path))?.len();
+    let want: u64 = moment.ram_regions().iter().map(|r| r.1 as u64).sum();
+    if found != want {
+        return Err(SnapshotDirError::MemorySize {
+            path: mem_path,
+            found,
+            want,
+        });
+    }
+    if moment.mem_mib != manifest.mem_mib || moment.layout != manifest.layout {
+        return Err(SnapshotDirError::Mismatch(format!(
+            "manifest says {} MiB and {}, state says {} MiB and {}",
+            manifest.mem_mib, manifest.layout, moment.mem_mib, moment.layout
+        )));
+    }
+    Ok((manifest, moment))
+}
+
+/// Checks that this host can run the snapshot (the compatibility set in
+/// the manifest) before anything is created; names every mismatch.
+pub fn check_host(dir: &Path, manifest: &Manifest, kvm: &Path) -> Result<(), SnapshotDirError> {
+    let host = crate::compat::host_compat(kvm)?;
+    snapshot::compat::check(&manifest.compat, &host).map_err(|source| {
+        SnapshotDirError::Incompatible {
+            dir: dir.into(),
+            source,
+        }
+    })
+}
