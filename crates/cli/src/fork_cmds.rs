@@ -36,7 +36,9 @@ fn running(home: &Path, name: &str) -> anyhow::Result<(VmDir, VmRecord)> {
     let r = vm.read_record()?;
     match vm.state(&r) {
         VmState::Running => Ok((vm, r)),
-        s => bail!("vm {name:?} is {s}: only a running vm can be forked, checkpointed or snapshotted"),
+        s => bail!(
+            "vm {name:?} is {s}: only a running vm can be forked, checkpointed or snapshotted"
+        ),
     }
 }
 
@@ -278,9 +280,7 @@ pub fn rollback(home: &Path, name: &str, tag: &str, json: bool) -> anyhow::Resul
     let mut r = vm.read_record()?;
     let socket = vm.checkpoints().join(format!("{tag}.sock"));
     let cp = read_checkpoint(&vm.checkpoints().join(format!("{tag}.json"))).map_err(|_| {
-        anyhow::anyhow!(
-            "vm {name:?} has no checkpoint {tag:?} (see `tine checkpoints {name}`)"
-        )
+        anyhow::anyhow!("vm {name:?} has no checkpoint {tag:?} (see `tine checkpoints {name}`)")
     })?;
     if !state::process_alive(cp.pid, cp.pid_start) {
         bail!("checkpoint {tag:?} of vm {name:?} is gone (its template process ended)");
@@ -358,7 +358,10 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
         std::env::current_dir()?.join(to)
     };
     if dir.join(vmm::snapshot_dir::MANIFEST).exists() {
-        bail!("{} already holds a snapshot; choose a new directory", dir.display());
+        bail!(
+            "{} already holds a snapshot; choose a new directory",
+            dir.display()
+        );
     }
     let t0 = Instant::now();
     let call = call(

@@ -188,10 +188,8 @@ fn restore(
         kvm_device: args.kvm_device.clone(),
         ..VmConfig::default()
     };
-    let mem = vmm::memory::map_file_private(
-        &dir.join(vmm::snapshot_dir::MEMORY),
-        &moment.ram_regions(),
-    )?;
+    let mem =
+        vmm::memory::map_file_private(&dir.join(vmm::snapshot_dir::MEMORY), &moment.ram_regions())?;
     Ok(vmm::restore(
         &config,
         mem,

@@ -61,7 +61,10 @@ fn ask(h: &Home, vm: &str, cmd: &str, reply: &str) -> String {
 }
 
 fn sum_of(line: &str) -> String {
-    line.split_whitespace().last().unwrap_or_default().to_string()
+    line.split_whitespace()
+        .last()
+        .unwrap_or_default()
+        .to_string()
 }
 
 fn fork_json(h: &Home, args: &[&str]) -> serde_json::Value {
@@ -80,7 +83,15 @@ fn running(h: &Home) -> Vec<String> {
 }
 
 fn start_counter(h: &Home, name: &str) {
-    h.ok(&["run", "--name", name, "--image", "micro-counter", "--mem", "256M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        name,
+        "--image",
+        "micro-counter",
+        "--mem",
+        "256M",
+    ]);
     wait_line(h, name, 0, |l| l.starts_with("CNT 3"));
 }
 
@@ -93,7 +104,11 @@ fn test_children_continue_from_the_fork_and_the_parent_goes_on() {
     start_counter(&h, "p");
     let before = last_cnt(&h, "p");
     let reply = fork_json(&h, &["p", "-n", "2"]);
-    assert_eq!(reply["children"].as_array().map(Vec::len), Some(2), "{reply}");
+    assert_eq!(
+        reply["children"].as_array().map(Vec::len),
+        Some(2),
+        "{reply}"
+    );
     assert!(reply["pause_ms"].as_f64().is_some(), "{reply}");
     for child in ["p-1", "p-2"] {
         let first = cnt(&wait_line(&h, child, 0, |l| l.starts_with("CNT ")));
@@ -132,17 +147,41 @@ fn test_memory_written_in_one_vm_is_invisible_to_the_others() {
         return;
     }
     let h = Home::new("forkmem");
-    h.ok(&["run", "--name", "m", "--image", "micro-memtouch", "--mem", "256M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "m",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "256M",
+    ]);
     wait_line(&h, "m", 0, |l| l.starts_with("READY"));
     let base = sum_of(&ask(&h, "m", "touch 8 1", "TOUCHED"));
     fork_json(&h, &["m", "--names", "a,b"]);
     let a = sum_of(&ask(&h, "a", "touch 8 2", "TOUCHED"));
     assert_ne!(a, base);
-    assert_eq!(sum_of(&ask(&h, "a", "sum 8", "SUM")), a, "a sees its own write");
-    assert_eq!(sum_of(&ask(&h, "b", "sum 8", "SUM")), base, "b must not see a's write");
-    assert_eq!(sum_of(&ask(&h, "m", "sum 8", "SUM")), base, "the parent must not see a's write");
+    assert_eq!(
+        sum_of(&ask(&h, "a", "sum 8", "SUM")),
+        a,
+        "a sees its own write"
+    );
+    assert_eq!(
+        sum_of(&ask(&h, "b", "sum 8", "SUM")),
+        base,
+        "b must not see a's write"
+    );
+    assert_eq!(
+        sum_of(&ask(&h, "m", "sum 8", "SUM")),
+        base,
+        "the parent must not see a's write"
+    );
     let m2 = sum_of(&ask(&h, "m", "touch 8 3", "TOUCHED"));
-    assert_eq!(sum_of(&ask(&h, "b", "sum 8", "SUM")), base, "b must not see the parent's write");
+    assert_eq!(
+        sum_of(&ask(&h, "b", "sum 8", "SUM")),
+        base,
+        "b must not see the parent's write"
+    );
     assert_eq!(sum_of(&ask(&h, "a", "sum 8", "SUM")), a);
     assert_ne!(m2, base);
 }
@@ -153,7 +192,15 @@ fn test_forks_nest_three_levels_deep() {
         return;
     }
     let h = Home::new("forkdeep");
-    h.ok(&["run", "--name", "g0", "--image", "micro-memtouch", "--mem", "256M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "g0",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "256M",
+    ]);
     wait_line(&h, "g0", 0, |l| l.starts_with("READY"));
     let mut sums = vec![sum_of(&ask(&h, "g0", "touch 4 10", "TOUCHED"))];
     for level in 1..=3 {
@@ -187,7 +234,11 @@ fn test_fifty_children_at_once() {
     let h = Home::new("fork50");
     start_counter(&h, "p");
     let reply = fork_json(&h, &["p", "-n", "50"]);
-    assert_eq!(reply["children"].as_array().map(Vec::len), Some(50), "{reply}");
+    assert_eq!(
+        reply["children"].as_array().map(Vec::len),
+        Some(50),
+        "{reply}"
+    );
     assert_eq!(running(&h).len(), 51);
     for i in [1, 25, 50] {
         wait_line(&h, &format!("p-{i}"), 0, |l| l.starts_with("CNT "));
@@ -200,7 +251,15 @@ fn test_rollback_restores_memory_and_counter() {
         return;
     }
     let h = Home::new("rollback");
-    h.ok(&["run", "--name", "m", "--image", "micro-memtouch", "--mem", "256M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "m",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "256M",
+    ]);
     wait_line(&h, "m", 0, |l| l.starts_with("READY"));
     let at_checkpoint = sum_of(&ask(&h, "m", "touch 8 1", "TOUCHED"));
     h.ok(&["checkpoint", "m", "--tag", "t1"]);
@@ -237,7 +296,15 @@ fn test_snapshot_restores_in_a_new_process_and_round_trips() {
     let dir = TempDir::new("snapdir");
     let s1 = dir.path().join("s1");
     let s2 = dir.path().join("s2");
-    h.ok(&["run", "--name", "m", "--image", "micro-memtouch", "--mem", "256M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "m",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "256M",
+    ]);
     wait_line(&h, "m", 0, |l| l.starts_with("READY"));
     let sum = sum_of(&ask(&h, "m", "touch 8 7", "TOUCHED"));
     h.ok(&["snapshot", "m", "--to", s1.to_str().expect("utf8")]);
@@ -261,7 +328,13 @@ fn test_snapshot_restores_in_a_new_process_and_round_trips() {
     assert_eq!(st1.devices, st3.devices, "device state round trip");
     let regs = |st: &vmm::Moment| {
         let v = &st.machine.vcpus[0];
-        (v.sregs.cr0, v.sregs.cr3, v.sregs.cr4, v.sregs.efer, v.regs.rsp)
+        (
+            v.sregs.cr0,
+            v.sregs.cr3,
+            v.sregs.cr4,
+            v.sregs.efer,
+            v.regs.rsp,
+        )
     };
     assert_eq!(regs(&st1), regs(&st3), "vCPU state round trip");
     let mem1 = std::fs::read(s1.join("memory")).expect("memory 1");
@@ -292,7 +365,15 @@ fn test_bad_input_is_refused_and_the_parent_is_unharmed() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     assert!(err(&["fork", "nope", "-n", "1"]).contains("no vm named"));
-    h.ok(&["run", "--name", "m", "--image", "micro-memtouch", "--mem", "256M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "m",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "256M",
+    ]);
     wait_line(&h, "m", 0, |l| l.starts_with("READY"));
     let sum = sum_of(&ask(&h, "m", "touch 4 9", "TOUCHED"));
     let e = err(&["rollback", "m", "never"]);
@@ -356,5 +437,8 @@ fn test_bad_input_is_refused_and_the_parent_is_unharmed() {
     assert_eq!(sum_of(&ask(&h, "m", "sum 4", "SUM")), sum);
     h.ok(&["stop", "m"]);
     let e = err(&["fork", "m", "-n", "1"]);
-    assert!(e.contains("stopped") || e.contains("only a running vm"), "{e}");
+    assert!(
+        e.contains("stopped") || e.contains("only a running vm"),
+        "{e}"
+    );
 }

@@ -665,14 +665,18 @@ impl Disk {
     /// be opened while this process still holds it. From now on this disk
     /// refuses writes; every continuation opens its own overlay on `frozen`.
     /// [`Disk::thaw`] undoes it if the fork fails.
+    ///
+    /// Cached qcow2 metadata is written, but nothing is fsynced here: that
+    /// would put a disk flush on the path the guest waits on. Call
+    /// [`Disk::sync_top`] once the vm runs on.
     pub fn freeze_to(&mut self, frozen: &Path) -> Result<(), DiskError> {
         if !self.writable {
             return Err(DiskError::NotWritable {
                 path: self.path().into(),
             });
         }
-        self.flush()?;
         let top = self.layers[0].path.clone();
+        self.top.flush().map_err(imago_err(&top, "flush"))?;
         if frozen.symlink_metadata().is_ok() {
             return Err(DiskError::Exists {
                 path: frozen.into(),
@@ -685,12 +689,20 @@ impl Disk {
         fs::set_permissions(frozen, fs::Permissions::from_mode(mode & !0o222))
             .map_err(io_err(frozen, "chmod a-w"))?;
         try_flock(frozen, file, false)?;
-        if let Ok(dir) = StdFile::open(frozen.parent().unwrap_or(Path::new("."))) {
-            // The rename must be durable before anything is stacked on it.
-            let _ = dir.sync_all();
-        }
         self.layers[0].path = frozen.into();
         self.writable = false;
+        Ok(())
+    }
+
+    /// Makes the top layer and its directory entry durable (after
+    /// [`Disk::freeze_to`], off the pause path).
+    pub fn sync_top(&self) -> Result<(), DiskError> {
+        let p = &self.layers[0].path;
+        self.layers[0].lock.sync_all().map_err(io_err(p, "fsync"))?;
+        if let Ok(dir) = StdFile::open(p.parent().unwrap_or(Path::new("."))) {
+            dir.sync_all()
+                .map_err(io_err(p, "fsync of its directory"))?;
+        }
         Ok(())
     }
 

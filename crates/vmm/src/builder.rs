@@ -14,24 +14,24 @@ use crate::arch::x86_64::{boot, layout};
 use crate::config::{ConfigError, VmConfig};
 use crate::devices::legacy::acpi_pm::{AcpiPmDevice, ACPI_PM_LEN, ACPI_PM_PORT};
 use crate::devices::legacy::i8042::{I8042_LEN, I8042_PORT};
+use crate::devices::legacy::serial::{SerialError, SerialState};
 use crate::devices::legacy::serial::{COM1_LEN, COM1_PORT};
 use crate::devices::legacy::{ConsoleOutput, SerialDevice, I8042};
+use crate::devices::park::{device_park, ParkControl};
+use crate::devices::persist::{DeviceStates, Persist};
 use crate::devices::virtio::block::{Block, BlockConfig, BlockError};
+use crate::devices::virtio::mmio::MmioState;
 use crate::devices::virtio::mmio::{MmioError, MmioTransport, MMIO_LEN, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::{Net, NetConfig, NetError};
 use crate::devices::virtio::vsock::{Vsock, VsockConfig, VsockError};
 use crate::devices::virtio::VirtioDevice;
 use crate::devices::{Bus, BusError};
 use crate::exit::ExitNotifier;
-use crate::devices::legacy::serial::{SerialError, SerialState};
-use crate::devices::park::{device_park, ParkControl};
-use crate::devices::persist::{DeviceStates, Persist};
-use crate::devices::virtio::mmio::MmioState;
 use crate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError, RamBacking};
 use crate::moment::{DeviceLayout, Moment};
-use crate::vstate::{restore_machine, RestoreError};
 use crate::vcpu::{Vcpu, VcpuError};
 use crate::vm::{Vm, VmError};
+use crate::vstate::{restore_machine, RestoreError};
 use crate::Vmm;
 
 /// Errors while building a vm.
@@ -251,7 +251,10 @@ impl<'a> VirtioDevices<'a> {
         let base = layout::VIRTIO_MMIO_START + n * layout::VIRTIO_MMIO_SLOT;
         let gsi = layout::VIRTIO_GSI_START + n as u32;
         let device = Arc::new(Mutex::new(device));
-        let args = (self.mem.clone(), device.clone() as Arc<Mutex<dyn VirtioDevice>>);
+        let args = (
+            self.mem.clone(),
+            device.clone() as Arc<Mutex<dyn VirtioDevice>>,
+        );
         let transport = match self.saved {
             Some(saved) => {
                 let state = saved.get(n as usize).ok_or(BuildError::DeviceCount)?;
@@ -284,7 +287,6 @@ impl<'a> VirtioDevices<'a> {
         });
         Ok(())
     }
-
 }
 
 /// Every device of a vm, wired to the VM and the device thread.

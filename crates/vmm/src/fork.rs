@@ -399,6 +399,12 @@ impl Frozen<'_> {
     /// Frozen disks stay frozen: the caller reopens its own overlays.
     pub fn leave_frozen(mut self) {
         self.thawed = true;
+        // The frozen layers become durable now that nobody waits on it.
+        let devices = lock(&self.source.devices);
+        let _ = devices.for_each_disk(|index, d| {
+            d.sync_top()
+                .map_err(|source| ForkError::Disk { index, source })
+        });
     }
 }
 
@@ -477,8 +483,9 @@ fn child_main(
             off.failed(&e.to_string());
             1
         }
-        Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off)))
-            .unwrap_or(101),
+        Ok(()) => {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off))).unwrap_or(101)
+        }
     };
     // SAFETY: ends this forked process without running the parent's
     // destructors or atexit handlers.
@@ -487,7 +494,10 @@ fn child_main(
 
 /// Logs how long a step of the fork path took since `t0` (TINE_LOG=debug).
 pub fn trace(t0: Instant, what: &str) {
-    tracing::debug!("fork path: {what} at {:.3} ms", t0.elapsed().as_secs_f64() * 1000.0);
+    tracing::debug!(
+        "fork path: {what} at {:.3} ms",
+        t0.elapsed().as_secs_f64() * 1000.0
+    );
 }
 
 /// Closes every fd of this process except 0, 1, 2 and `keep`.

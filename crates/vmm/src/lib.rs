@@ -38,8 +38,8 @@ use crate::vcpu::{Vcpu, VcpuError};
 use crate::vm::Vm;
 
 pub use builder::{build, restore, BuildError};
-pub use moment::Moment;
 pub use config::VmConfig;
+pub use moment::Moment;
 pub use state::{FpuState, MachineState, VcpuState, VmState, XsaveState};
 pub use vstate::{ControlError, RunningVmm, VmmHandle};
 

@@ -174,8 +174,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
             Request::Snapshot { dir, layers_dir } => {
                 freeze_and(&source, &opts, &layers_dir, |frozen, t0| {
                     let name = opts.name.clone();
-                    let mut w =
-                        frozen.spawn(false, |off| writer_body(off, &dir, &name))?;
+                    let mut w = frozen.spawn(false, |off| writer_body(off, &dir, &name))?;
                     let detail = w.wait_ready(WRITER_TIMEOUT)?;
                     Ok(Reply {
                         snapshot_ms: Some(ms(t0.elapsed())),
@@ -223,9 +222,9 @@ fn freeze_and(
     if let Err(e) = std::fs::create_dir_all(layers_dir) {
         return Reply::error(format!("cannot create {}: {e}", layers_dir.display()));
     }
-    let frozen = match source.freeze(|i| {
-        Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name)))
-    }) {
+    let frozen = match source
+        .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
+    {
         Ok(f) => f,
         Err(e) => return Reply::error(chain(&e)),
     };
@@ -354,12 +353,22 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
     for (k, d) in parts.disks.iter().enumerate() {
         let top = &config.disks[d.index].path;
         let _ = k;
-        disk::create_overlay(&d.frozen, top)
-            .map_err(|e| format!("cannot create the top layer {}: {}", top.display(), chain(&e)))?;
+        disk::create_overlay(&d.frozen, top).map_err(|e| {
+            format!(
+                "cannot create the top layer {}: {}",
+                top.display(),
+                chain(&e)
+            )
+        })?;
     }
     mark("overlays");
-    let vmm = crate::restore(&config, parts.mem.clone(), RamBacking::Private, &parts.moment)
-        .map_err(|e| format!("cannot restore the vm: {}", chain(&e)))?;
+    let vmm = crate::restore(
+        &config,
+        parts.mem.clone(),
+        RamBacking::Private,
+        &parts.moment,
+    )
+    .map_err(|e| format!("cannot restore the vm: {}", chain(&e)))?;
     mark("restored");
     let opts = ProcessOptions {
         name: id.name.clone(),
@@ -371,7 +380,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         mark("running");
         off.ready(&pid.to_string())
     })
-        .map_err(|e| format!("cannot run the vm: {}", chain(&e)))?;
+    .map_err(|e| format!("cannot run the vm: {}", chain(&e)))?;
     Ok(exit.exit_code())
 }
 
@@ -513,7 +522,10 @@ fn rollback(parts: &ForkParts, id: &Identity) -> Reply {
             pause_ms: Some(ms(t0.elapsed())),
             ..Reply::default()
         },
-        Err(e) => Reply::error(format!("cannot start the vm from the checkpoint: {}", chain(&e))),
+        Err(e) => Reply::error(format!(
+            "cannot start the vm from the checkpoint: {}",
+            chain(&e)
+        )),
     }
 }
 

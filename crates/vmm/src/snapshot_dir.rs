@@ -76,7 +76,11 @@ pub enum SnapshotDirError {
         source: snapshot::StateError,
     },
     #[error("{path} has {found} bytes but the snapshot's memory is {want} bytes: the file is truncated or not this snapshot's")]
-    MemorySize { path: PathBuf, found: u64, want: u64 },
+    MemorySize {
+        path: PathBuf,
+        found: u64,
+        want: u64,
+    },
     #[error("The manifest and the state disagree: {0}")]
     Mismatch(String),
     #[error("Cannot read this host's KVM capabilities")]
@@ -229,8 +233,11 @@ pub fn load(dir: &Path) -> Result<(Manifest, Moment), SnapshotDirError> {
         }
         Err(e) => return Err(io(&path)(e)),
     };
-    let manifest: Manifest = serde_json::from_slice(&text)
-        .map_err(|source| SnapshotDirError::Manifest { path: path.clone(), source })?;
+    let manifest: Manifest =
+        serde_json::from_slice(&text).map_err(|source| SnapshotDirError::Manifest {
+            path: path.clone(),
+            source,
+        })?;
     let state_path = dir.join(STATE);
     let bytes = fs::read(&state_path).map_err(io(&state_path))?;
     let moment: Moment = snapshot::decode(&bytes).map_err(|source| SnapshotDirError::State {

@@ -236,8 +236,26 @@ impl MmioTransport {
         self.device_status
     }
 
-    /// Saves the register state.
+    /// Saves the register state. The ring indices of a running device are
+    /// the device's own (its queues moved on since activation); call with
+    /// the device quiescent.
     pub fn state(&self) -> MmioState {
+        let dev = lock(&self.device);
+        let live = dev.active_queues();
+        let queues = self
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let mut regs = QueueRegs::from(q.state());
+                if let Some(active) = live.and_then(|l| l.get(i)) {
+                    regs.next_avail = active.next_avail();
+                    regs.next_used = active.next_used();
+                }
+                regs
+            })
+            .collect();
+        drop(dev);
         MmioState {
             device_type: self.device_type,
             device_status: self.device_status,
@@ -247,7 +265,7 @@ impl MmioTransport {
             queue_select: self.queue_select,
             config_generation: self.config_generation,
             interrupt_status: self.interrupt.status(),
-            queues: self.queues.iter().map(|q| q.state().into()).collect(),
+            queues,
         }
     }
 

@@ -134,6 +134,11 @@ pub trait VirtioDevice: Send {
     ) -> Result<(), ActivateError>;
     /// Whether the device is running.
     fn is_activated(&self) -> bool;
+    /// The queues the device works on once activated (the transport's
+    /// copies stop at activation; these hold the current ring indices).
+    fn active_queues(&self) -> Option<&[Queue]> {
+        None
+    }
     /// The disk behind the device, if it is a block device: a fork
     /// freezes its top layer.
     fn host_disk(&mut self) -> Option<&mut disk::Disk> {

@@ -226,6 +226,10 @@ impl VirtioDevice for Block {
     fn is_activated(&self) -> bool {
         self.active.is_some()
     }
+
+    fn active_queues(&self) -> Option<&[Queue]> {
+        self.active.as_ref().map(|a| &a.queues[..])
+    }
 }
 
 #[cfg(test)]

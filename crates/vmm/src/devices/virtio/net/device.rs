@@ -322,6 +322,10 @@ impl VirtioDevice for Net {
     fn is_activated(&self) -> bool {
         self.active.is_some()
     }
+
+    fn active_queues(&self) -> Option<&[Queue]> {
+        self.active.as_ref().map(|a| &a.queues[..])
+    }
 }
 
 #[cfg(test)]

@@ -137,10 +137,7 @@ impl Vsock {
         };
         let head = chain.head_index();
         let mut len = 0;
-        if let Some(desc) = chain
-            .clone()
-            .find(|d| d.is_write_only() && d.len() >= 4)
-        {
+        if let Some(desc) = chain.clone().find(|d| d.is_write_only() && d.len() >= 4) {
             // struct virtio_vsock_event { le32 id }; id 0 = TRANSPORT_RESET.
             if mem.write_obj(0u32.to_le(), desc.addr()).is_ok() {
                 len = 4;
@@ -328,6 +325,10 @@ impl VirtioDevice for Vsock {
 
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+
+    fn active_queues(&self) -> Option<&[Queue]> {
+        self.active.as_ref().map(|a| &a.queues[..])
     }
 
     fn restored(&mut self) {
