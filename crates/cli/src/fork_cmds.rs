@@ -327,7 +327,7 @@ pub fn list_checkpoints(home: &Path, name: &str) -> anyhow::Result<Vec<Checkpoin
             }
         }
     }
-    out.sort_by(|a, b| a.created_ms.cmp(&b.created_ms));
+    out.sort_by_key(|c| c.created_ms);
     Ok(out)
 }
 

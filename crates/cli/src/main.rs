@@ -110,7 +110,7 @@ pub enum Command {
         json: bool,
     },
     /// Run one vm in the foreground: this process is its VMM.
-    Vmm(vmm_cmd::VmmArgs),
+    Vmm(Box<vmm_cmd::VmmArgs>),
     /// Guest images.
     #[command(subcommand)]
     Image(image_cmd::ImageCommand),
@@ -166,7 +166,7 @@ fn main() -> ExitCode {
 /// Runs a verb on this host.
 fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Vmm(args) => vmm_cmd::run(args),
+        Command::Vmm(args) => vmm_cmd::run(*args),
         Command::Run(args) => home().and_then(|h| vm_cmds::run(&h, args)),
         Command::Exec(args) => home().and_then(|h| exec_cmds::exec(&h, args)),
         Command::Cp { src, dst } => home().and_then(|h| exec_cmds::cp(&h, &src, &dst)),
