@@ -55,8 +55,9 @@ impl RunArgs {
     /// A micro guest: runs on any /dev/kvm, has no agent.
     pub fn is_micro(&self) -> bool {
         match &self.from {
-            // A snapshot without a vsock device is a micro guest's.
-            Some(dir) => vmm::snapshot_dir::load(dir).is_ok_and(|(m, _)| m.vsock_cid.is_none()),
+            // A snapshot without a vsock device is a micro guest's; one that
+            // cannot be read is refused here, with the reason.
+            Some(dir) => !vmm::snapshot_dir::load(dir).is_ok_and(|(m, _)| m.vsock_cid.is_some()),
             None => self.kernel.is_some() || self.image.starts_with("micro-"),
         }
     }

@@ -432,6 +432,10 @@ fn test_bad_input_is_refused_and_the_parent_is_unharmed() {
         !h.0.path().join("vms/crc").join("vm.json").exists(),
         "a refused restore leaves no vm"
     );
+    assert!(
+        !h.0.path().join("machine").exists(),
+        "a refused micro restore must not start the nested machine"
+    );
 
     // Through all of it the parent is unharmed.
     assert_eq!(sum_of(&ask(&h, "m", "sum 4", "SUM")), sum);
