@@ -468,6 +468,13 @@ fn redirect_stdio(log: &Path) -> Result<(), String> {
 /// Body of a checkpoint's template: holds the frozen moment and starts the
 /// vm from it again on request (rollback).
 fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
+    // The vms it starts are its children; one replaced by a later rollback
+    // must not linger as a zombie: the kernel reaps them.
+    // SAFETY: sets the disposition of one signal in this single-threaded
+    // process.
+    unsafe {
+        libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+    }
     let listener = match bind(socket) {
         Ok(l) => l,
         Err(e) => {
