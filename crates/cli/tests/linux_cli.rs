@@ -8,6 +8,7 @@
 mod common;
 
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 
 use common::{kvm_available, Home, TempDir};
@@ -57,16 +58,20 @@ fn test_exec_cp_and_lifecycle_through_the_agent() {
     let input: Vec<u8> = (0..1u32 << 20)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
         .collect();
+    let cat = ["exec", "one", "--", "cat"];
     let mut child = h
-        .cmd(&["exec", "one", "--", "cat"])
+        .cmd(&cat)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
         .spawn()
         .expect("spawn");
     let mut stdin = child.stdin.take().expect("stdin");
     let data = input.clone();
+    // Ends with an error at the latest when a timeout kills `cat`.
     let writer = std::thread::spawn(move || stdin.write_all(&data));
-    let out = child.wait_with_output().expect("wait");
+    let out = h.wait_within(child, &cat, common::call_timeout());
     writer.join().expect("writer").expect("write");
     assert!(out.status.success());
     assert!(out.stdout == input, "stdin round trip must be byte-exact");
@@ -116,6 +121,11 @@ fn test_exec_cp_and_lifecycle_through_the_agent() {
         std::time::Duration::from_secs(10),
     )
     .expect("connect");
+    // The stream comes back without timeouts: a silent agent must fail here, not hang.
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .expect("read timeout");
+    s.set_write_timeout(Some(std::time::Duration::from_secs(60)))
+        .expect("write timeout");
     let err =
         protocol::client::hello_as(&mut s, 999, "test").expect_err("version 999 must be refused");
     assert!(err.to_string().contains("999"), "{err}");

@@ -8,11 +8,13 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, tine, Home, TempDir};
+use common::{kvm_available, Home, TempDir};
 
 fn hash(p: &Path) -> String {
     blake3::hash(&std::fs::read(p).expect("read"))
@@ -187,36 +189,67 @@ fn test_kill_9_keeps_every_flushed_write() {
 
     // The guest writes record i at sector i with an fsync each, and says ACK i
     // only after dd (and so the flush) returned.
-    let mut writer = tine()
-        .args([
-            "exec",
-            "crash",
-            "--",
-            "sh",
-            "-c",
-            "i=0; while [ $i -lt 100000 ]; do printf 'rec%08d' $i | dd of=/dev/vda bs=512 seek=$i conv=fsync 2>/dev/null && echo ACK $i; i=$((i+1)); done",
-        ])
-        .env("TINE_HOME", h.0.path())
+    let args = [
+        "exec",
+        "crash",
+        "--",
+        "sh",
+        "-c",
+        "i=0; while [ $i -lt 100000 ]; do printf 'rec%08d' $i | dd of=/dev/vda bs=512 seek=$i conv=fsync 2>/dev/null && echo ACK $i; i=$((i+1)); done",
+    ];
+    let mut writer = h
+        .cmd(&args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
+        // Its own group, so killing it below also ends anything it started.
+        .process_group(0)
         .spawn()
         .expect("exec");
+    // Lines come through a channel so a guest that stops printing cannot
+    // block the test past the deadline.
     let stdout = writer.stdout.take().expect("stdout");
-    let mut acked = 0u64;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for line in BufReader::new(stdout).lines() {
-        let line = line.expect("line");
-        if let Some(n) = line
-            .strip_prefix("ACK ")
-            .and_then(|n| n.parse::<u64>().ok())
-        {
-            acked = n;
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
         }
-        if acked >= 40 || Instant::now() > deadline {
-            break;
+    });
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(120);
+    let mut acked = 0u64;
+    let mut last = String::new();
+    while acked < 40 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(n) = line
+                    .strip_prefix("ACK ")
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    acked = n;
+                }
+                last = line;
+            }
+            // The deadline, or the writer ended (its output is all in).
+            Err(_) => break,
         }
     }
-    assert!(acked >= 10, "the guest acknowledged only {acked} writes");
+    common::progress(&format!(
+        "kill -9 test: {acked} flushed writes acknowledged in {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
+    if acked < 10 {
+        let _ = writer.kill();
+        let status = writer.wait();
+        panic!(
+            "the guest acknowledged only {acked} writes in {:.1} s (last line {last:?}, writer {status:?})\n{}",
+            started.elapsed().as_secs_f64(),
+            h.diagnostics()
+        );
+    }
     let out = h.ok(&["ls", "--json"]);
     let rows: Vec<serde_json::Value> = serde_json::from_str(&out).expect("json");
     let pid = rows[0]["pid"].as_u64().expect("pid");

@@ -22,7 +22,16 @@ fn boot(extra: &[&str]) -> RunningVm {
     args.extend_from_slice(extra);
     let vm = RunningVm::start(&args);
     vm.expect_contains("tine: guest ready", BOOT);
+    note_boot(&vm);
     vm
+}
+
+/// A progress line on stderr for a slow boot (CI logs show where time goes).
+fn note_boot(vm: &RunningVm) {
+    let took = vm.started.elapsed();
+    if took > common::SLOW_CALL {
+        common::progress(&format!("linux guest ready in {:.1} s", took.as_secs_f64()));
+    }
 }
 
 /// Runs a shell command on the guest console; returns its exit status.
@@ -148,6 +157,7 @@ fn test_linux_net_pings_host_tap_in_netns() {
         RunningVm::start_command("ip", &args)
     };
     vm.expect_contains("tine: guest ready", BOOT);
+    note_boot(&vm);
     let line = sh(
         &mut vm,
         "ip link set eth0 up && ip addr add 172.30.7.2/24 dev eth0 && ping -c 3 -W 5 172.30.7.1 >/dev/null",

@@ -2,7 +2,10 @@
 //! with kvm_amd inside), used across CLI calls, made stale, and stopped.
 //! One test, so the machine boots only twice (start, and after it is killed).
 
+mod common;
+
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -13,8 +16,67 @@ fn tine(home: &Path) -> Command {
     c
 }
 
+/// Runs `tine ARGS` (stdin /dev/null), bounded by `common::call_timeout()`;
+/// a timeout panics with the machine's logs.
 fn run(home: &Path, args: &[&str]) -> Output {
-    tine(home).args(args).output().expect("run tine")
+    try_run(home, args).unwrap_or_else(|report| {
+        common::progress(&report);
+        panic!(
+            "tine {}: timed out (report above on stderr)",
+            common::show_args(args)
+        );
+    })
+}
+
+/// `run` that reports a timeout instead of panicking (for Drop).
+fn try_run(home: &Path, args: &[&str]) -> Result<Output, String> {
+    let t0 = Instant::now();
+    let mut cmd = tine(home);
+    cmd.args(args).stdin(Stdio::null());
+    match common::output_within(&mut cmd, common::call_timeout()) {
+        Ok(out) => {
+            if t0.elapsed() > common::SLOW_CALL {
+                common::progress(&format!(
+                    "tine {} took {:.1} s",
+                    common::show_args(args),
+                    t0.elapsed().as_secs_f64()
+                ));
+            }
+            Ok(out)
+        }
+        Err(mut t) => {
+            t.what = format!("tine {}", common::show_args(args));
+            Err(format!(
+                "{t}{}--- end of the timeout report ---",
+                machine_logs(home)
+            ))
+        }
+    }
+}
+
+/// The tails of the nested host's logs and of any vm's logs here.
+fn machine_logs(home: &Path) -> String {
+    let run = home.join("machine/run");
+    let mut out = String::new();
+    for f in [
+        "console.log",
+        "qemu.log",
+        "virtiofsd.log",
+        "stdout",
+        "stderr",
+    ] {
+        out.push_str(&common::file_tail(&run.join(f), 40));
+    }
+    let mut vms: Vec<PathBuf> = std::fs::read_dir(home.join("vms"))
+        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).collect())
+        .unwrap_or_default();
+    vms.sort();
+    for vm in vms {
+        for f in ["console.log", "vmm.log"] {
+            out.push_str(&common::file_tail(&vm.join(f), 40));
+        }
+    }
+    out
 }
 
 fn ok(home: &Path, args: &[&str]) -> String {
@@ -61,7 +123,10 @@ struct Machine(PathBuf);
 
 impl Drop for Machine {
     fn drop(&mut self) {
-        let _ = run(&self.0, &["machine", "stop"]);
+        // Never panics (it may run while a panic unwinds).
+        if let Err(report) = try_run(&self.0, &["machine", "stop"]) {
+            common::progress(&format!("cleanup: {report}"));
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -234,12 +299,19 @@ fn machine_start_exec_stale_stop() {
         .args(["machine", "exec", "--", "cat"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
         .spawn()
         .expect("spawn");
     let mut stdin = child.stdin.take().expect("stdin");
     let data = input.clone();
+    // Ends with an error at the latest when a timeout kills `cat`.
     let writer = std::thread::spawn(move || stdin.write_all(&data));
-    let out = child.wait_with_output().expect("wait");
+    let out = common::wait_within(child, "tine machine exec -- cat", common::call_timeout())
+        .unwrap_or_else(|t| {
+            common::progress(&format!("{t}{}", machine_logs(home)));
+            panic!("tine machine exec -- cat: timed out (report above on stderr)");
+        });
     writer.join().expect("writer").expect("write stdin");
     assert!(out.status.success());
     assert!(

@@ -1,10 +1,12 @@
 //! Shared helpers for tests that run the real `tine` binary on real KVM.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The `tine` binary under test.
@@ -178,9 +180,402 @@ impl Drop for RunningVm {
     }
 }
 
+// ---------------------------------------------------------------- bounded calls
+//
+// A hung guest, agent or VMM must fail the one call that waits for it, with
+// enough on the log to see where it hung, instead of hanging the test binary
+// (and the CI step) without a word.
+
+/// The limit of one `tine` call made through `Home` unless the caller gives
+/// another: `TINE_TEST_CALL_TIMEOUT` seconds, 300 by default.
+pub fn call_timeout() -> Duration {
+    let secs = std::env::var("TINE_TEST_CALL_TIMEOUT")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|&s| s > 0)
+        .unwrap_or(300);
+    Duration::from_secs(secs)
+}
+
+/// Calls that take longer than this get a progress line on stderr.
+pub const SLOW_CALL: Duration = Duration::from_secs(10);
+
+/// When this test process started, for progress lines (from /proc; the
+/// first use where that cannot be read).
+fn process_clock() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(|| {
+        let now = Instant::now();
+        process_age()
+            .and_then(|age| now.checked_sub(age))
+            .unwrap_or(now)
+    })
+}
+
+/// How long ago this process started: /proc/uptime minus field 22 of
+/// /proc/self/stat (clock ticks after boot).
+fn process_age() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let ticks: f64 = stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf only reads a constant of the system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz <= 0 {
+        return None;
+    }
+    Duration::try_from_secs_f64(uptime - ticks / hz as f64).ok()
+}
+
+/// Writes `[+12.3s] MSG` to stderr at once. Not through `eprintln!`, which
+/// the test harness captures until a test ends: CI logs must show where the
+/// time goes while it goes, and what hung even if the binary is then killed.
+pub fn progress(msg: &str) {
+    let line = format!("[+{:.1}s] {msg}\n", process_clock().elapsed().as_secs_f64());
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// Args as a short shell-like line for progress lines.
+pub fn show_args(args: &[&str]) -> String {
+    let mut s = args
+        .iter()
+        .map(|a| {
+            if a.is_empty() || a.contains(|c: char| c.is_whitespace() || c == '\'') {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            } else {
+                a.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    if s.chars().count() > 120 {
+        s = s.chars().take(117).collect::<String>() + "...";
+    }
+    s
+}
+
+/// A call that did not end in time. Its process group was killed.
+pub struct CallTimeout {
+    pub what: String,
+    pub limit: Duration,
+    pub elapsed: Duration,
+    /// Set when the process had exited but a pipe stayed open (a process it
+    /// started still holds its stdout or stderr).
+    pub exited: Option<ExitStatus>,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Where its threads were, taken before it was killed.
+    pub stacks: String,
+}
+
+impl std::fmt::Display for CallTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.exited {
+            None => writeln!(
+                f,
+                "TIMEOUT: {} still running after {:.1} s (limit {} s); killed its process group",
+                self.what,
+                self.elapsed.as_secs_f64(),
+                self.limit.as_secs()
+            )?,
+            Some(st) => writeln!(
+                f,
+                "TIMEOUT: {} exited ({st}) but its stdout/stderr stayed open for {:.1} s (limit {} s): a process it started holds them",
+                self.what,
+                self.elapsed.as_secs_f64(),
+                self.limit.as_secs()
+            )?,
+        }
+        writeln!(f, "--- its stdout so far ---")?;
+        f.write_str(&tail_text(&self.stdout, 40))?;
+        writeln!(f, "--- its stderr so far ---")?;
+        f.write_str(&tail_text(&self.stderr, 40))?;
+        f.write_str(&self.stacks)
+    }
+}
+
+/// The last `n` lines of `bytes`, each ending in a newline.
+fn tail_text(bytes: &[u8], n: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = String::new();
+    if lines.len() > n {
+        out.push_str(&format!("[... {} earlier lines]\n", lines.len() - n));
+    }
+    for l in &lines[lines.len().saturating_sub(n)..] {
+        out.push_str(l.trim_end_matches('\r'));
+        out.push('\n');
+    }
+    out
+}
+
+/// The last `n` lines of a file, headed by its path (nothing if it is missing).
+pub fn file_tail(path: &Path, n: usize) -> String {
+    match std::fs::read(path) {
+        Ok(b) => format!(
+            "--- last lines of {} ---\n{}",
+            path.display(),
+            tail_text(&b, n)
+        ),
+        Err(_) => String::new(),
+    }
+}
+
+/// Runs `cmd` in its own process group with stdout and stderr captured
+/// (stdin as the caller set it, inherited otherwise) and waits at most `limit`.
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output, Box<CallTimeout>> {
+    output_impl(cmd, limit, true)
+}
+
+fn output_impl(
+    cmd: &mut Command,
+    limit: Duration,
+    with_stacks: bool,
+) -> Result<Output, Box<CallTimeout>> {
+    let what = format!("{cmd:?}");
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    wait_impl(child, &what, limit, with_stacks)
+}
+
+/// Waits at most `limit` for `child` (whose stdout and stderr, where piped,
+/// are collected). On timeout its threads' stacks are taken, then it is
+/// killed with its process group when it leads one.
+pub fn wait_within(child: Child, what: &str, limit: Duration) -> Result<Output, Box<CallTimeout>> {
+    wait_impl(child, what, limit, true)
+}
+
+fn wait_impl(
+    mut child: Child,
+    what: &str,
+    limit: Duration,
+    with_stacks: bool,
+) -> Result<Output, Box<CallTimeout>> {
+    let started = Instant::now();
+    let deadline = started + limit;
+    let group = leads_group(child.id());
+    let stdout = Arc::new(Mutex::new(Vec::new()));
+    let stderr = Arc::new(Mutex::new(Vec::new()));
+    let (done_tx, done) = mpsc::channel::<()>();
+    let mut readers = 0;
+    let mut read_into = |pipe: Option<Box<dyn Read + Send>>, buf: &Arc<Mutex<Vec<u8>>>| {
+        let Some(mut pipe) = pipe else { return };
+        let buf = Arc::clone(buf);
+        let done_tx = done_tx.clone();
+        readers += 1;
+        std::thread::spawn(move || {
+            let mut chunk = [0u8; 8192];
+            while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+                buf.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(&chunk[..n]);
+            }
+            let _ = done_tx.send(());
+        });
+    };
+    read_into(child.stdout.take().map(|p| Box::new(p) as _), &stdout);
+    read_into(child.stderr.take().map(|p| Box::new(p) as _), &stderr);
+    drop(done_tx);
+    let take =
+        |b: &Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *b.lock().unwrap_or_else(|e| e.into_inner()));
+
+    let mut pause = Duration::from_millis(1);
+    let mut status = None;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            status = Some(st);
+            break;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+    if let Some(st) = status {
+        // The pipes end with the process unless something it started keeps
+        // them; give that the rest of the time (and a little more).
+        let pipe_deadline = deadline.max(Instant::now() + Duration::from_secs(5));
+        let mut left = readers;
+        while left > 0 {
+            let wait = pipe_deadline.saturating_duration_since(Instant::now());
+            match done.recv_timeout(wait) {
+                Ok(()) => left -= 1,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    // Reaped, but a group id is never reused while the group
+                    // has members (whoever holds the pipe).
+                    if group {
+                        signal(child.id(), true, libc::SIGKILL);
+                    }
+                    return Err(Box::new(CallTimeout {
+                        what: what.to_string(),
+                        limit,
+                        elapsed: started.elapsed(),
+                        exited: Some(st),
+                        stdout: take(&stdout),
+                        stderr: take(&stderr),
+                        stacks: String::new(),
+                    }));
+                }
+            }
+        }
+        return Ok(Output {
+            status: st,
+            stdout: take(&stdout),
+            stderr: take(&stderr),
+        });
+    }
+    let elapsed = started.elapsed();
+    // Where it waits, then frozen (so gdb sees that same place, not where it
+    // got to during the seconds gdb takes), then its backtraces.
+    let label = "the timed-out process";
+    let mut stacks = String::new();
+    if with_stacks {
+        stacks = threads(child.id(), label);
+        signal(child.id(), group, libc::SIGSTOP);
+        stacks.push_str(&backtraces(child.id(), label));
+    }
+    signal(child.id(), group, libc::SIGKILL);
+    let _ = child.kill();
+    let _ = child.wait();
+    // Whatever the readers got by now (they end once the group is gone).
+    std::thread::sleep(Duration::from_millis(100));
+    Err(Box::new(CallTimeout {
+        what: what.to_string(),
+        limit,
+        elapsed,
+        exited: None,
+        stdout: take(&stdout),
+        stderr: take(&stderr),
+        stacks,
+    }))
+}
+
+/// Whether `pid` (our child, not yet reaped) leads its own process group.
+fn leads_group(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: getpgid takes a plain integer and touches no memory.
+    unsafe { libc::getpgid(pid) == pid }
+}
+
+/// Sends `sig` to `pid`'s process group (`group`) or to `pid` alone.
+fn signal(pid: u32, group: bool, sig: libc::c_int) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    // SAFETY: kill takes plain integers and touches no memory; the pid is
+    // our own child, not yet reaped (or its group, which keeps its id while
+    // it has members), so it cannot have been reused.
+    unsafe {
+        libc::kill(if group { -pid } else { pid }, sig);
+    }
+}
+
+/// Where `pid`'s threads are: `threads` and `backtraces`.
+pub fn stacks(pid: u32, label: &str) -> String {
+    threads(pid, label) + &backtraces(pid, label)
+}
+
+/// State, kernel wait channel and syscall number of each of `pid`'s threads
+/// (from /proc).
+pub fn threads(pid: u32, label: &str) -> String {
+    let mut out = format!("--- threads of {label} (pid {pid}) ---\n");
+    let task = format!("/proc/{pid}/task");
+    let mut tids: Vec<u32> = std::fs::read_dir(&task)
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    tids.sort_unstable();
+    if tids.is_empty() {
+        out.push_str("(gone)\n");
+    }
+    for tid in tids {
+        let read = |f: &str| {
+            std::fs::read_to_string(format!("{task}/{tid}/{f}"))
+                .unwrap_or_default()
+                .trim()
+                .to_string()
+        };
+        let stat = read("stat");
+        let state = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            .unwrap_or("?")
+            .to_string();
+        let syscall = read("syscall");
+        let syscall = syscall.split_whitespace().next().unwrap_or("?");
+        out.push_str(&format!(
+            "  tid {tid} {:<16} state {state} wchan {:<24} syscall {syscall}\n",
+            read("comm"),
+            read("wchan"),
+        ));
+    }
+    out
+}
+
+/// A user-space backtrace of every thread of `pid`, where gdb is installed
+/// and TINE_TEST_GDB is not 0 (empty otherwise). Takes seconds (tens in the
+/// nested test host).
+pub fn backtraces(pid: u32, label: &str) -> String {
+    if std::env::var("TINE_TEST_GDB").as_deref() == Ok("0") {
+        return String::new();
+    }
+    let Some(gdb) = ["/usr/bin/gdb", "/usr/local/bin/gdb"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+    else {
+        return String::new();
+    };
+    let mut cmd = Command::new(gdb);
+    cmd.args(["-nx", "-batch", "-p", &pid.to_string()])
+        .args(["-ex", "set pagination off", "-ex", "thread apply all bt 16"])
+        .stdin(Stdio::null());
+    let mut out = format!("--- gdb backtraces of {label} (pid {pid}) ---\n");
+    // Without stacks of its own if it hangs: that would start gdb on gdb.
+    match output_impl(&mut cmd, Duration::from_secs(90), false) {
+        Ok(o) => {
+            let text = String::from_utf8_lossy(&o.stdout);
+            for l in text
+                .lines()
+                .filter(|l| l.starts_with('#') || l.starts_with("Thread "))
+            {
+                // Frames of generic Rust code run to hundreds of characters.
+                let mut l: String = l.chars().take(200).collect();
+                l.push('\n');
+                out.push_str(&l);
+            }
+        }
+        Err(t) => out.push_str(&format!(
+            "(gdb gave no backtrace within {} s)\n",
+            t.limit.as_secs()
+        )),
+    }
+    out
+}
+
 /// A temporary TINE_HOME for Linux-guest tests: vms live in it, while its
 /// `images` points at the real image cache (scripts/test builds the images).
 /// Every vm still there is removed on drop, so no VMM outlives a failed test.
+///
+/// Every `tine` call made through `out`/`ok` is bounded (`call_timeout()`,
+/// or the `*_within` variants); one that times out panics with its output so
+/// far, the stacks of its threads and of the vms' VMMs, and the tails of
+/// every vm's `console.log` and `vmm.log`. Calls slower than `SLOW_CALL`
+/// leave a progress line on stderr.
 pub struct Home(pub TempDir);
 
 impl Home {
@@ -201,19 +596,37 @@ impl Home {
         c
     }
     pub fn out(&self, args: &[&str]) -> Output {
-        self.cmd(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run tine")
+        self.out_within(args, call_timeout())
+    }
+    /// `out` with its own time limit.
+    pub fn out_within(&self, args: &[&str], limit: Duration) -> Output {
+        let mut cmd = self.cmd(args);
+        cmd.stdin(Stdio::null());
+        self.call(args, &mut cmd, limit)
+            .unwrap_or_else(|t| self.fail_timeout(&t))
     }
     pub fn ok(&self, args: &[&str]) -> String {
-        let out = self.out(args);
+        self.ok_within(args, call_timeout())
+    }
+    /// `ok` with its own time limit.
+    pub fn ok_within(&self, args: &[&str], limit: Duration) -> String {
+        let out = self.out_within(args, limit);
         assert!(
             out.status.success(),
             "tine {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+    /// Waits (bounded, as `out_within`) for a child spawned from `cmd(args)`
+    /// with piped stdout/stderr; spawn it with `process_group(0)` so a
+    /// timeout kills everything it started.
+    pub fn wait_within(&self, child: Child, args: &[&str], limit: Duration) -> Output {
+        let t0 = Instant::now();
+        let out = wait_within(child, &format!("tine {}", show_args(args)), limit)
+            .unwrap_or_else(|t| self.fail_timeout(&t));
+        self.note_slow(args, t0.elapsed());
+        out
     }
     pub fn ls(&self) -> Vec<serde_json::Value> {
         serde_json::from_str(&self.ok(&["ls", "--json"])).expect("json")
@@ -222,16 +635,138 @@ impl Home {
     pub fn top(&self, vm: &str) -> std::path::PathBuf {
         self.0.path().join("vms").join(vm).join("disk0.qcow2")
     }
+
+    /// What the vms show now: the stacks of their running VMMs and the last
+    /// lines of every `vms/*/console.log` and `vmm.log`. For a test's own
+    /// failure messages, too.
+    pub fn diagnostics(&self) -> String {
+        let mut out = String::new();
+        for (name, dir, vmm) in self.vms() {
+            if let Some(pid) = vmm {
+                out.push_str(&stacks(pid, &format!("vm {name}'s VMM")));
+            }
+            for f in ["console.log", "vmm.log"] {
+                out.push_str(&file_tail(&dir.join(f), 40));
+            }
+        }
+        if out.is_empty() {
+            out.push_str("(no vms in this home)\n");
+        }
+        out
+    }
+
+    /// Every vm directory: name, path, and the VMM's pid if it still runs.
+    fn vms(&self) -> Vec<(String, PathBuf, Option<u32>)> {
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(self.0.path().join("vms"))
+            .map(|d| d.filter_map(|e| Some(e.ok()?.path())).collect())
+            .unwrap_or_default();
+        dirs.sort();
+        dirs.into_iter()
+            .map(|dir| {
+                let name = dir
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let vmm = live_vmm(&dir);
+                (name, dir, vmm)
+            })
+            .collect()
+    }
+
+    fn call(
+        &self,
+        args: &[&str],
+        cmd: &mut Command,
+        limit: Duration,
+    ) -> Result<Output, Box<CallTimeout>> {
+        let t0 = Instant::now();
+        let r = output_within(cmd, limit);
+        let r = r.map_err(|mut t| {
+            t.what = format!("tine {}", show_args(args));
+            t
+        });
+        if r.is_ok() {
+            self.note_slow(args, t0.elapsed());
+        }
+        r
+    }
+
+    fn note_slow(&self, args: &[&str], took: Duration) {
+        if took > SLOW_CALL {
+            progress(&format!(
+                "tine {} took {:.1} s",
+                show_args(args),
+                took.as_secs_f64()
+            ));
+        }
+    }
+
+    /// Prints the whole report at once (it must reach the log even if the
+    /// binary is killed later) and fails the test.
+    fn fail_timeout(&self, t: &CallTimeout) -> ! {
+        let report = format!(
+            "{t}{}--- end of the timeout report ---\n",
+            self.diagnostics()
+        );
+        progress(&report);
+        panic!(
+            "{}: timed out after {:.1} s (report above on stderr)\nstderr so far:\n{}",
+            t.what,
+            t.elapsed.as_secs_f64(),
+            tail_text(&t.stderr, 20)
+        );
+    }
+}
+
+/// The pid in `dir/vm.json` if that process still runs (same start time, so
+/// never a reused pid).
+fn live_vmm(dir: &Path) -> Option<u32> {
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("vm.json")).ok()?).ok()?;
+    let pid = u32::try_from(rec["pid"].as_u64()?).ok()?;
+    let start = rec["pid_start"].as_u64()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    // Field 3 is the state; field 22 the start time.
+    let state = fields.next()?;
+    let started: u64 = fields.nth(18)?.parse().ok()?;
+    (started == start && state != "Z" && state != "X").then_some(pid)
 }
 
 impl Drop for Home {
     fn drop(&mut self) {
-        // Never leave a VMM running behind a failed test.
-        let out = self.out(&["ls", "--json"]);
-        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        // Never leave a VMM running behind a failed test, and never hang
+        // here either (this may run while a timeout panic unwinds).
+        let limit = Duration::from_secs(120);
+        let mut cmd = self.cmd(&["ls", "--json"]);
+        cmd.stdin(Stdio::null());
+        let rows: Vec<serde_json::Value> = match self.call(&["ls", "--json"], &mut cmd, limit) {
+            Ok(out) => serde_json::from_slice(&out.stdout).unwrap_or_default(),
+            Err(t) => {
+                progress(&format!("cleanup: {t}"));
+                Vec::new()
+            }
+        };
         for row in rows {
             if let Some(name) = row["name"].as_str() {
-                let _ = self.out(&["rm", "--force", name]);
+                let args = ["rm", "--force", name];
+                let mut cmd = self.cmd(&args);
+                cmd.stdin(Stdio::null());
+                if let Err(t) = self.call(&args, &mut cmd, limit) {
+                    progress(&format!("cleanup: {t}"));
+                }
+            }
+        }
+        // Whatever `rm` could not stop (or `ls` did not list) is killed here.
+        for (name, _, vmm) in self.vms() {
+            if let Some(pid) = vmm.and_then(|p| libc::pid_t::try_from(p).ok()) {
+                progress(&format!("cleanup: killing vm {name}'s VMM (pid {pid})"));
+                // SAFETY: kill takes plain integers; live_vmm checked the
+                // pid's start time, so it is that vm's VMM.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
             }
         }
     }
