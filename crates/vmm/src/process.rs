@@ -234,10 +234,14 @@ fn freeze_and(
         let _ = std::fs::rename(p, &aside);
         (p.clone(), aside)
     });
+    fork::trace(frozen.started(), "frozen");
     let me = continuation_identity(source.config(), opts, frozen.disks());
     let cont = frozen
         .spawn(true, |off| vm_body(off, &me, Mode::Continuation))
-        .and_then(|mut c| c.wait_ready(READY_TIMEOUT).map(|_| c));
+        .and_then(|mut c| {
+            fork::trace(frozen.started(), "continuation forked");
+            c.wait_ready(READY_TIMEOUT).map(|_| c)
+        });
     let cont = match cont {
         Ok(c) => c,
         Err(e) => {
@@ -350,9 +354,12 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
     }
     let parts = &off.parts;
     let config = vm_config(parts, id, mode)?;
-    for (k, d) in parts.disks.iter().enumerate() {
-        let top = &config.disks[d.index].path;
-        let _ = k;
+    for d in &parts.disks {
+        let top = &config
+            .disks
+            .get(d.index)
+            .ok_or("frozen disk index out of range")?
+            .path;
         disk::create_overlay(&d.frozen, top).map_err(|e| {
             format!(
                 "cannot create the top layer {}: {}",
@@ -403,7 +410,9 @@ fn vm_config(parts: &ForkParts, id: &Identity, mode: Mode) -> Result<VmConfig, S
                 )
             })?,
         };
-        c.disks[d.index] = DiskConfig {
+        *c.disks
+            .get_mut(d.index)
+            .ok_or("frozen disk index out of range")? = DiskConfig {
             path: top,
             read_only: false,
         };
