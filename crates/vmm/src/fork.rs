@@ -160,6 +160,7 @@ impl ForkSource {
     ) -> Result<Frozen<'_>, ForkError> {
         let busy = self.busy.try_lock().map_err(|_| ForkError::Busy)?;
         let started = Instant::now();
+        let started_ns = monotonic_ns();
         self.handle.pause().map_err(ForkError::Pause)?;
         let mut devices = lock(&self.devices);
         let saved = devices
@@ -203,6 +204,7 @@ impl ForkSource {
             disks,
             socket_aside: None,
             started,
+            started_ns,
             thawed: false,
         };
         if let Err(e) = res {
@@ -262,6 +264,7 @@ pub struct Frozen<'a> {
     disks: Vec<FrozenDisk>,
     socket_aside: Option<(PathBuf, PathBuf)>,
     started: Instant,
+    started_ns: u64,
     thawed: bool,
 }
 
@@ -339,6 +342,11 @@ impl Frozen<'_> {
     /// When the pause began.
     pub fn started(&self) -> Instant {
         self.started
+    }
+
+    /// When the pause began, as [`monotonic_ns`].
+    pub fn started_ns(&self) -> u64 {
+        self.started_ns
     }
 
     /// Whether the source's RAM is a shared memfd (then this process must
@@ -490,6 +498,19 @@ fn child_main(
     // SAFETY: ends this forked process without running the parent's
     // destructors or atexit handlers.
     unsafe { libc::_exit(code) }
+}
+
+/// CLOCK_MONOTONIC in ns: the same clock in every process, so a forked
+/// process can say when it started running and the parent can tell how
+/// long the guest was paused.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: fills a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Logs how long a step of the fork path took since `t0` (TINE_LOG=debug).

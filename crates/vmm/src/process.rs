@@ -156,32 +156,56 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
             Request::Fork {
                 children,
                 layers_dir,
-            } => freeze_and(&source, &opts, &layers_dir, |frozen, t0| {
-                fork_children(frozen, &children, t0)
-            }),
+            } => freeze_and(
+                &source,
+                &opts,
+                &layers_dir,
+                |frozen| spawn_children(frozen, &children),
+                children_running,
+            ),
             Request::Checkpoint {
                 tag,
                 socket,
                 layers_dir,
-            } => freeze_and(&source, &opts, &layers_dir, |frozen, _| {
-                let mut t = frozen.spawn(true, |off| template_body(off, &tag, &socket))?;
-                t.wait_ready(READY_TIMEOUT)?;
-                Ok(Reply {
-                    template_pid: Some(t.pid),
-                    ..Reply::default()
-                })
-            }),
+            } => freeze_and(
+                &source,
+                &opts,
+                &layers_dir,
+                |frozen| {
+                    Ok(vec![
+                        frozen.spawn(true, |off| template_body(off, &tag, &socket))?
+                    ])
+                },
+                |mut t, _| {
+                    let mut reply = Reply::default();
+                    for t in &mut t {
+                        t.wait_ready(READY_TIMEOUT)?;
+                        reply.template_pid = Some(t.pid);
+                    }
+                    Ok(reply)
+                },
+            ),
             Request::Snapshot { dir, layers_dir } => {
-                freeze_and(&source, &opts, &layers_dir, |frozen, t0| {
-                    let name = opts.name.clone();
-                    let mut w = frozen.spawn(false, |off| writer_body(off, &dir, &name))?;
-                    let detail = w.wait_ready(WRITER_TIMEOUT)?;
-                    Ok(Reply {
-                        snapshot_ms: Some(ms(t0.elapsed())),
-                        memory_bytes: detail.parse().ok(),
-                        ..Reply::default()
-                    })
-                })
+                let name = opts.name.clone();
+                freeze_and(
+                    &source,
+                    &opts,
+                    &layers_dir,
+                    |frozen| {
+                        Ok(vec![
+                            frozen.spawn(false, |off| writer_body(off, &dir, &name))?
+                        ])
+                    },
+                    |mut w, t0| {
+                        let mut reply = Reply::default();
+                        for w in &mut w {
+                            let detail = w.wait_ready(WRITER_TIMEOUT)?;
+                            reply.memory_bytes = detail.parse().ok();
+                            reply.snapshot_ms = Some(ms(t0.elapsed()));
+                        }
+                        Ok(reply)
+                    },
+                )
             }
             Request::Rollback { .. } | Request::Drop => {
                 Reply::error("this is a running vm, not a checkpoint")
@@ -204,15 +228,17 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-/// The fork path around `then`: freeze, start the continuation, run
-/// `then` (which starts the other processes), and say how long the guest
-/// was paused. If the continuation cannot start, the vm thaws and runs on
-/// here.
+/// The fork path: freeze, start the continuation, then `start` the other
+/// processes (children, a template, a writer) while it comes up, and
+/// `finish` once it runs; say how long the guest was paused. If the
+/// continuation cannot start, the others are killed and the vm thaws and
+/// runs on here.
 fn freeze_and(
     source: &ForkSource,
     opts: &ProcessOptions,
     layers_dir: &Path,
-    then: impl FnOnce(&Frozen, Instant) -> Result<Reply, ForkError>,
+    start: impl FnOnce(&Frozen) -> Result<Vec<Spawned>, ForkError>,
+    finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
 ) -> Reply {
     let t0 = Instant::now();
     let stamp = SystemTime::now()
@@ -236,15 +262,21 @@ fn freeze_and(
     });
     fork::trace(frozen.started(), "frozen");
     let me = continuation_identity(source.config(), opts, frozen.disks());
+    let mut others = Vec::new();
     let cont = frozen
         .spawn(true, |off| vm_body(off, &me, Mode::Continuation))
         .and_then(|mut c| {
             fork::trace(frozen.started(), "continuation forked");
-            c.wait_ready(READY_TIMEOUT).map(|_| c)
+            others = start(&frozen)?;
+            let running_ns = c.wait_ready(READY_TIMEOUT)?;
+            Ok((c, running_ns))
         });
-    let cont = match cont {
+    let (cont, running_ns) = match cont {
         Ok(c) => c,
         Err(e) => {
+            for o in &others {
+                kill(o.pid);
+            }
             if let Some((p, aside)) = api_aside {
                 let _ = std::fs::rename(aside, p);
             }
@@ -256,11 +288,18 @@ fn freeze_and(
             return Reply::error(msg);
         }
     };
-    let pause_ms = ms(frozen.started().elapsed());
+    // The continuation says when its vCPUs started (same clock); the
+    // parent may notice later, busy starting the others.
+    let pause_ms = running_ns
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse::<u64>().ok())
+        .map(|ns| ns.saturating_sub(frozen.started_ns()) as f64 / 1e6)
+        .unwrap_or_else(|| ms(frozen.started().elapsed()));
     if let Some((_, aside)) = api_aside {
         let _ = std::fs::remove_file(aside);
     }
-    let mut reply = match then(&frozen, t0) {
+    let mut reply = match finish(others, t0) {
         Ok(r) => r,
         Err(e) => Reply::error(format!(
             "{} (the vm itself continues as pid {})",
@@ -276,12 +315,32 @@ fn freeze_and(
     reply
 }
 
-/// Starts one process per child; returns when all run.
-fn fork_children(frozen: &Frozen, children: &[Identity], t0: Instant) -> Result<Reply, ForkError> {
-    let mut spawned: Vec<Spawned> = Vec::with_capacity(children.len());
-    for id in children {
-        spawned.push(frozen.spawn(false, |off| vm_body(off, id, Mode::Child))?);
+fn kill(pid: u32) {
+    // SAFETY: kill(2) of a process this one just forked.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
     }
+}
+
+/// Starts one process per child.
+fn spawn_children(frozen: &Frozen, children: &[Identity]) -> Result<Vec<Spawned>, ForkError> {
+    let mut spawned = Vec::with_capacity(children.len());
+    for id in children {
+        match frozen.spawn(false, |off| vm_body(off, id, Mode::Child)) {
+            Ok(s) => spawned.push(s),
+            Err(e) => {
+                for s in &spawned {
+                    kill(s.pid);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(spawned)
+}
+
+/// Waits until every child runs.
+fn children_running(mut spawned: Vec<Spawned>, t0: Instant) -> Result<Reply, ForkError> {
     let mut reply = Reply::default();
     for s in &mut spawned {
         s.wait_ready(READY_TIMEOUT)?;
@@ -385,7 +444,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
     let pid = std::process::id();
     let exit = serve(vmm, opts, || {
         mark("running");
-        off.ready(&pid.to_string())
+        off.ready(&format!("{pid} {}", fork::monotonic_ns()))
     })
     .map_err(|e| format!("cannot run the vm: {}", chain(&e)))?;
     Ok(exit.exit_code())
