@@ -2,6 +2,7 @@
 //! VMM process (`tine vmm`) with its state under `$TINE_HOME/vms/NAME/`.
 
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -159,11 +160,15 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
                 vm.console_log().display()
             );
         }
-        let ready = if agent {
-            agent_client::ping(&vm.vsock(), Duration::from_millis(500)).is_ok()
-        } else {
-            started.elapsed() > Duration::from_millis(20)
-        };
+        // Ready: the control socket answers (forks can be asked for), and
+        // the agent too where there is one.
+        let ready = vmm::api::call(
+            &vm.api_socket(),
+            &vmm::api::Request::Ping,
+            Duration::from_millis(500),
+        )
+        .is_ok()
+            && (!agent || agent_client::ping(&vm.vsock(), Duration::from_millis(500)).is_ok());
         if ready {
             break;
         }
@@ -177,7 +182,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
                 vm.console_log().display()
             );
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(if agent { 20 } else { 1 }));
     }
     let what = if agent {
         "agent answered"
@@ -547,7 +552,8 @@ pub fn kill(home: &Path, name: &str) -> anyhow::Result<ExitCode> {
 /// SIGKILLs the VMM and waits until it is gone; writes no exit record.
 pub fn kill_quietly(r: &VmRecord) -> anyhow::Result<()> {
     signal(r, libc::SIGKILL);
-    if !wait_gone(r, Duration::from_secs(5)) {
+    // Generous: a loaded host takes a while to tear down a big vm.
+    if !wait_gone(r, Duration::from_secs(30)) {
         bail!("VMM pid {} of vm {:?} survived SIGKILL", r.pid, r.name);
     }
     Ok(())
@@ -589,13 +595,40 @@ fn signal(r: &VmRecord, sig: libc::c_int) {
     }
 }
 
+/// Waits until the VMM's whole thread group has exited. A pidfd becomes
+/// readable exactly then (a zombie leader whose other threads still tear
+/// down the vm is not gone yet: its sockets still accept); without one,
+/// polls /proc.
 fn wait_gone(r: &VmRecord, timeout: Duration) -> bool {
+    if !state::process_alive(r.pid, r.pid_start) {
+        return true;
+    }
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new fd.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, r.pid as libc::pid_t, 0) };
+    if let Ok(fd) = i32::try_from(fd) {
+        if fd >= 0 {
+            // SAFETY: `fd` is the new pidfd, owned here.
+            let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+            // The pid may have been reused between the check and the open.
+            if state::process_alive(r.pid, r.pid_start) {
+                let mut pfd = libc::pollfd {
+                    fd: pidfd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+                // SAFETY: polls one valid pollfd.
+                return unsafe { libc::poll(&mut pfd, 1, ms) } == 1;
+            }
+            return true;
+        }
+    }
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         if !state::process_alive(r.pid, r.pid_start) {
             return true;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(2));
     }
     !state::process_alive(r.pid, r.pid_start)
 }

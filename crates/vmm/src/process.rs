@@ -101,11 +101,12 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Listens on `path`, replacing a stale socket file.
+/// Listens on `path`, replacing what is there: the path is this vm's (the
+/// CLI keeps names unique), and a socket file left by the process it
+/// replaces (a killed vm that rollback restarts, a crashed VMM) may even
+/// still accept while that process tears down.
 fn bind(path: &Path) -> Result<UnixListener, ServeError> {
-    if UnixStream::connect(path).is_err() {
-        let _ = std::fs::remove_file(path);
-    }
+    let _ = std::fs::remove_file(path);
     UnixListener::bind(path).map_err(|source| ServeError::Listen {
         path: path.into(),
         source,
@@ -410,6 +411,12 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
     let mark = |what: &str| fork::trace(t, what);
     if mode != Mode::Continuation {
         redirect_stdio(&id.log)?;
+    }
+    if mode == Mode::Rollback {
+        // The replaced vm was killed; its sockets may linger a moment.
+        for p in id.vsock.iter().chain(&id.console_socket) {
+            let _ = std::fs::remove_file(p);
+        }
     }
     let parts = &off.parts;
     let config = vm_config(parts, id, mode)?;
