@@ -31,7 +31,7 @@ use crate::memory::{create_guest_memory, GuestMemoryMmap, MemoryError, RamBackin
 use crate::moment::{DeviceLayout, Moment};
 use crate::vcpu::{Vcpu, VcpuError};
 use crate::vm::{Vm, VmError};
-use crate::vstate::{restore_machine, RestoreError};
+use crate::vstate::{load_machine, restore_machine, RestoreError};
 use crate::Vmm;
 
 /// Errors while building a vm.
@@ -136,6 +136,18 @@ pub fn restore(
     backing: RamBacking,
     moment: &Moment,
 ) -> Result<Vmm, BuildError> {
+    restore_prepared(config, mem, backing, moment, None)
+}
+
+/// [`restore`] into a VM and vCPUs made by
+/// [`crate::vstate::prepare_machine`] on `mem`, if given.
+pub fn restore_prepared(
+    config: &VmConfig,
+    mem: GuestMemoryMmap,
+    backing: RamBacking,
+    moment: &Moment,
+    prepared: Option<(Vm, Vec<Vcpu>)>,
+) -> Result<Vmm, BuildError> {
     let layout = DeviceLayout::of(config);
     if layout != moment.layout {
         return Err(BuildError::Layout {
@@ -144,7 +156,13 @@ pub fn restore(
         });
     }
     let t = std::time::Instant::now();
-    let (vm, vcpus) = restore_machine(&config.kvm_device, &mem, &moment.machine)?;
+    let (vm, vcpus) = match prepared {
+        Some((vm, vcpus)) => {
+            load_machine(&vm, &vcpus, &moment.machine)?;
+            (vm, vcpus)
+        }
+        None => restore_machine(&config.kvm_device, &mem, &moment.machine)?,
+    };
     crate::fork::trace(t, "machine restored");
     let devices = Devices::attach(&vm, &mem, config, Some(&moment.devices))?;
     Ok(Vmm::assemble(

@@ -33,7 +33,9 @@ use crate::devices::persist::{DeviceStates, Persist};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::memory::{self, GuestMemoryMmap, MemoryError, RamBacking};
 use crate::moment::{DeviceLayout, Moment};
-use crate::vstate::{ControlError, VmmHandle};
+use crate::vcpu::Vcpu;
+use crate::vm::Vm;
+use crate::vstate::{prepare_machine, ControlError, VmmHandle};
 
 /// Errors on the fork path.
 #[derive(Debug, thiserror::Error)]
@@ -226,6 +228,129 @@ impl ForkSource {
     }
 }
 
+impl ForkSource {
+    /// Takes the KVM setup of the parent's continuation off the pause:
+    /// fork(2)s a standby process while the guest still runs, which
+    /// creates its VM, memslots (on the still shared memfd, at the same
+    /// addresses), irqchip and vCPUs, then waits for the moment.
+    /// [`Frozen::hand_over`] sends it; the standby then maps RAM private,
+    /// loads the state and runs `body`. Only for a shared memfd: a private
+    /// view forked now would hold the running, not the frozen, memory.
+    pub fn prepare(&self, body: impl FnOnce(&mut Offspring) -> i32) -> Result<Standby, ForkError> {
+        if self.backing != RamBacking::SharedMemfd {
+            return Err(ForkError::Child(
+                "only a shared memfd can be prepared for".into(),
+            ));
+        }
+        let (handover_read, handover_write) = pipe()?;
+        let (report_read, report_write) = pipe()?;
+        // SAFETY: fork(2); the child runs only `standby_main`, which never
+        // returns into the parent's frames (it ends with _exit). It touches
+        // no lock another thread may hold (see `standby_main`).
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(ForkError::Fork(std::io::Error::last_os_error()));
+        }
+        if pid == 0 {
+            std::mem::forget(handover_write);
+            std::mem::forget(report_read);
+            self.standby_main(handover_read, report_write, body);
+        }
+        drop(handover_read);
+        drop(report_write);
+        let mut spawned = Spawned {
+            pid: pid as u32,
+            report: BufReader::new(report_read),
+        };
+        // Freeze only once its VM is ready, or the two compete for the CPU.
+        spawned.wait_ready(Duration::from_secs(2))?;
+        Ok(Standby {
+            spawned,
+            handover: handover_write,
+        })
+    }
+
+    /// The standby process. Forked while vCPU and device threads run, so
+    /// it uses nothing they may have locked: no logging before the moment
+    /// arrives (the stderr lock), only this source's plain data and KVM.
+    fn standby_main(
+        &self,
+        mut handover: File,
+        report: File,
+        body: impl FnOnce(&mut Offspring) -> i32,
+    ) -> ! {
+        let mut keep = memory::backing_fds(&self.mem);
+        keep.push(handover.as_raw_fd());
+        keep.push(report.as_raw_fd());
+        keep.extend_from_slice(&self.tap_fds);
+        close_fds_except(&keep);
+        let prepared = prepare_machine(&self.config.kvm_device, &self.mem, self.config.vcpus).ok();
+        let mut report = report;
+        let _ = writeln!(report, "ok prepared");
+        let mut buf = Vec::new();
+        let got = std::io::Read::read_to_end(&mut handover, &mut buf);
+        let handed: Option<Handover> = got.ok().and_then(|_| serde_json::from_slice(&buf).ok());
+        let Some(h) = handed else {
+            // The fork was called off (or the parent died): nothing to do.
+            // SAFETY: ends this forked process without destructors.
+            unsafe { libc::_exit(0) }
+        };
+        let mut off = Offspring {
+            prepared,
+            parts: ForkParts {
+                mem: self.mem.clone(),
+                backing: RamBacking::Private,
+                moment: h.moment,
+                config: self.config.clone(),
+                disks: h.disks,
+                tap_fds: self.tap_fds.clone(),
+            },
+            report,
+        };
+        let code = match memory::make_private(&self.mem) {
+            Err(e) => {
+                off.failed(&e.to_string());
+                1
+            }
+            Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off)))
+                .unwrap_or(101),
+        };
+        // SAFETY: ends this forked process without running the parent's
+        // destructors or atexit handlers.
+        unsafe { libc::_exit(code) }
+    }
+}
+
+/// A standby continuation (see [`ForkSource::prepare`]).
+pub struct Standby {
+    spawned: Spawned,
+    handover: File,
+}
+
+impl Standby {
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.spawned.pid
+    }
+}
+
+/// What the standby gets once the vm is frozen.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Handover {
+    moment: Moment,
+    disks: Vec<FrozenDisk>,
+}
+
+fn pipe() -> Result<(File, File), ForkError> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills the two-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(ForkError::Pipe(std::io::Error::last_os_error()));
+    }
+    // SAFETY: both fds are fresh and owned here.
+    Ok(unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) })
+}
+
 fn aside_path(p: &Path) -> PathBuf {
     let mut s = p.as_os_str().to_owned();
     s.push(format!(".frozen-{}", std::process::id()));
@@ -233,7 +358,7 @@ fn aside_path(p: &Path) -> PathBuf {
 }
 
 /// A writable disk whose top layer was frozen.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct FrozenDisk {
     /// Index among the vm's disks (`VmConfig::disks`).
     pub index: usize,
@@ -274,6 +399,8 @@ pub struct Offspring {
     /// (`parts.backing` is [`RamBacking::Private`]). `parts.tap_fds` are
     /// open here only if they were kept.
     pub parts: ForkParts,
+    /// A VM and vCPUs made before the pause (see [`ForkSource::prepare`]).
+    pub prepared: Option<(Vm, Vec<Vcpu>)>,
     report: File,
 }
 
@@ -365,6 +492,25 @@ impl Frozen<'_> {
             disks: self.disks.clone(),
             tap_fds: self.source.tap_fds.clone(),
         }
+    }
+
+    /// Sends the frozen moment to a standby (step 2 for the parent's
+    /// continuation when one was prepared); it then runs its body.
+    pub fn hand_over(&self, standby: Standby) -> Result<Spawned, ForkError> {
+        let Standby {
+            spawned,
+            mut handover,
+        } = standby;
+        let h = Handover {
+            moment: self.moment.clone(),
+            disks: self.disks.clone(),
+        };
+        let bytes = serde_json::to_vec(&h).map_err(|e| ForkError::Child(e.to_string()))?;
+        handover
+            .write_all(&bytes)
+            .map_err(|e| ForkError::Child(format!("cannot hand the moment over: {e}")))?;
+        drop(handover);
+        Ok(spawned)
     }
 
     /// Step 2: forks a process that runs `body` (see [`spawn`]).
@@ -475,6 +621,7 @@ fn child_main(
         RamBacking::Private => Ok(()),
     };
     let mut off = Offspring {
+        prepared: None,
         parts: ForkParts {
             backing: RamBacking::Private,
             tap_fds: if keep_taps {

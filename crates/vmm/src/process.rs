@@ -249,11 +249,20 @@ fn freeze_and(
     if let Err(e) = std::fs::create_dir_all(layers_dir) {
         return Reply::error(format!("cannot create {}: {e}", layers_dir.display()));
     }
+    // The continuation's KVM setup happens now, while the guest runs.
+    let me = continuation_identity(source.config(), opts);
+    let standby = source
+        .prepare(|off| vm_body(off, &me, Mode::Continuation))
+        .ok();
     let frozen = match source
         .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
     {
         Ok(f) => f,
-        Err(e) => return Reply::error(chain(&e)),
+        Err(e) => {
+            // Dropping the standby's pipe tells it to exit.
+            drop(standby);
+            return Reply::error(chain(&e));
+        }
     };
     // The continuation listens on the same control socket path.
     let api_aside = opts.api_socket.as_ref().map(|p| {
@@ -262,16 +271,17 @@ fn freeze_and(
         (p.clone(), aside)
     });
     fork::trace(frozen.started(), "frozen");
-    let me = continuation_identity(source.config(), opts, frozen.disks());
     let mut others = Vec::new();
-    let cont = frozen
-        .spawn(true, |off| vm_body(off, &me, Mode::Continuation))
-        .and_then(|mut c| {
-            fork::trace(frozen.started(), "continuation forked");
-            others = start(&frozen)?;
-            let running_ns = c.wait_ready(READY_TIMEOUT)?;
-            Ok((c, running_ns))
-        });
+    let cont = match standby {
+        Some(s) => frozen.hand_over(s),
+        None => frozen.spawn(true, |off| vm_body(off, &me, Mode::Continuation)),
+    }
+    .and_then(|mut c| {
+        fork::trace(frozen.started(), "continuation forked");
+        others = start(&frozen)?;
+        let running_ns = c.wait_ready(READY_TIMEOUT)?;
+        Ok((c, running_ns))
+    });
     let (cont, running_ns) = match cont {
         Ok(c) => c,
         Err(e) => {
@@ -364,18 +374,15 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// The parent's own identity, for its continuation.
-fn continuation_identity(
-    config: &VmConfig,
-    opts: &ProcessOptions,
-    disks: &[fork::FrozenDisk],
-) -> Identity {
+/// The parent's own identity, for its continuation (its disks are the
+/// frozen disks' former top paths, see [`vm_config`]).
+fn continuation_identity(config: &VmConfig, opts: &ProcessOptions) -> Identity {
     Identity {
         name: opts.name.clone(),
         console_log: config.console_log.clone().unwrap_or_default(),
         console_socket: config.console_socket.clone(),
         log: PathBuf::new(),
-        disks: disks.iter().map(|d| d.top.clone()).collect(),
+        disks: Vec::new(),
         nets: Vec::new(),
         vsock: config.vsock.as_ref().map(|v| v.uds_path.clone()),
         api_socket: opts.api_socket.clone().unwrap_or_default(),
@@ -418,6 +425,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
             let _ = std::fs::remove_file(p);
         }
     }
+    let prepared = off.prepared.take();
     let parts = &off.parts;
     let config = vm_config(parts, id, mode)?;
     for d in &parts.disks {
@@ -435,11 +443,12 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         })?;
     }
     mark("overlays");
-    let vmm = crate::restore(
+    let vmm = crate::builder::restore_prepared(
         &config,
         parts.mem.clone(),
         RamBacking::Private,
         &parts.moment,
+        prepared,
     )
     .map_err(|e| format!("cannot restore the vm: {}", chain(&e)))?;
     mark("restored");
