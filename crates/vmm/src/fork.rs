@@ -144,6 +144,11 @@ impl ForkSource {
         }
     }
 
+    /// How guest RAM is backed in this process.
+    pub fn backing(&self) -> RamBacking {
+        self.backing
+    }
+
     /// The vm's configuration (its host side).
     pub fn config(&self) -> &VmConfig {
         &self.config
@@ -545,6 +550,36 @@ impl Frozen<'_> {
         devices.park.unpark();
         drop(devices);
         self.source.handle.resume().map_err(ForkError::Pause)?;
+        res
+    }
+
+    /// Step 3 for a vm with private memory, which goes on in this process
+    /// (its forks got copy-on-write views of the frozen moment): each
+    /// frozen disk gets a new top layer here, sockets move back, devices
+    /// and vCPUs go on. The frozen layers are fsynced after the resume.
+    pub fn resume_here(mut self) -> Result<(), ForkError> {
+        self.thawed = true;
+        let disks = std::mem::take(&mut self.disks);
+        let mut devices = lock(&self.source.devices);
+        let res = devices.for_each_disk(|index, d| {
+            if let Some(f) = disks.iter().find(|f| f.index == index) {
+                let err = |source| ForkError::Disk { index, source };
+                disk::create_overlay(&f.frozen, &f.top).map_err(err)?;
+                *d = disk::Disk::open(&f.top, true).map_err(err)?;
+            }
+            Ok(())
+        });
+        if let Some((path, aside)) = self.socket_aside.take() {
+            let _ = std::fs::rename(aside, path);
+        }
+        devices.park.unpark();
+        drop(devices);
+        self.source.handle.resume().map_err(ForkError::Pause)?;
+        for f in &disks {
+            if let Ok(file) = File::open(&f.frozen) {
+                let _ = file.sync_all();
+            }
+        }
         res
     }
 

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::api::{Identity, Reply, Request};
 use crate::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
 use crate::exit::GuestExit;
-use crate::fork::{self, ForkError, ForkParts, ForkSource, Frozen, Offspring, Spawned};
+use crate::fork::{self, ForkError, ForkParts, ForkSource, Offspring, Spawned};
 use crate::memory::RamBacking;
 use crate::{snapshot_dir, RunError, Vmm};
 
@@ -161,7 +161,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 &source,
                 &opts,
                 &layers_dir,
-                |frozen| spawn_children(frozen, &children),
+                |parts| spawn_children(parts, &children),
                 children_running,
             ),
             Request::Checkpoint {
@@ -172,10 +172,10 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 &source,
                 &opts,
                 &layers_dir,
-                |frozen| {
-                    Ok(vec![
-                        frozen.spawn(true, |off| template_body(off, &tag, &socket))?
-                    ])
+                |parts| {
+                    Ok(vec![fork::spawn(parts, true, |off| {
+                        template_body(off, &tag, &socket)
+                    })?])
                 },
                 |mut t, _| {
                     let mut reply = Reply::default();
@@ -192,10 +192,10 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     &source,
                     &opts,
                     &layers_dir,
-                    |frozen| {
-                        Ok(vec![
-                            frozen.spawn(false, |off| writer_body(off, &dir, &name))?
-                        ])
+                    |parts| {
+                        Ok(vec![fork::spawn(parts, false, |off| {
+                            writer_body(off, &dir, &name)
+                        })?])
                     },
                     |mut w, t0| {
                         let mut reply = Reply::default();
@@ -238,7 +238,7 @@ fn freeze_and(
     source: &ForkSource,
     opts: &ProcessOptions,
     layers_dir: &Path,
-    start: impl FnOnce(&Frozen) -> Result<Vec<Spawned>, ForkError>,
+    start: impl FnOnce(&ForkParts) -> Result<Vec<Spawned>, ForkError>,
     finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
 ) -> Reply {
     let t0 = Instant::now();
@@ -248,6 +248,9 @@ fn freeze_and(
         .unwrap_or(0);
     if let Err(e) = std::fs::create_dir_all(layers_dir) {
         return Reply::error(format!("cannot create {}: {e}", layers_dir.display()));
+    }
+    if source.backing() == RamBacking::Private {
+        return freeze_in_place(source, opts, layers_dir, stamp, start, finish, t0);
     }
     // The continuation's KVM setup happens now, while the guest runs.
     let me = continuation_identity(source.config(), opts);
@@ -278,7 +281,7 @@ fn freeze_and(
     }
     .and_then(|mut c| {
         fork::trace(frozen.started(), "continuation forked");
-        others = start(&frozen)?;
+        others = start(&frozen.parts())?;
         let running_ns = c.wait_ready(READY_TIMEOUT)?;
         Ok((c, running_ns))
     });
@@ -326,6 +329,76 @@ fn freeze_and(
     reply
 }
 
+/// The fork path of a vm with private memory: fork(2) gives every new
+/// process a copy-on-write view while this one keeps its own, so the vm
+/// goes on in this process. Only one process is forked while the guest is
+/// paused, a zygote holding the frozen view; it starts the others (off
+/// the pause) and reports them.
+#[allow(clippy::too_many_arguments)]
+fn freeze_in_place(
+    source: &ForkSource,
+    opts: &ProcessOptions,
+    layers_dir: &Path,
+    stamp: u128,
+    start: impl FnOnce(&ForkParts) -> Result<Vec<Spawned>, ForkError>,
+    finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
+    t0: Instant,
+) -> Reply {
+    let frozen = match source
+        .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
+    {
+        Ok(f) => f,
+        Err(e) => return Reply::error(chain(&e)),
+    };
+    let started = frozen.started();
+    fork::trace(started, "frozen");
+    let zygote = fork::spawn(&frozen.parts(), true, |off| {
+        let done = start(&off.parts).and_then(|spawned| finish(spawned, t0));
+        match done.map(|r| serde_json::to_string(&r)) {
+            Ok(Ok(json)) => {
+                off.ready(&json);
+                0
+            }
+            Ok(Err(e)) => {
+                off.failed(&e.to_string());
+                1
+            }
+            Err(e) => {
+                off.failed(&chain(&e));
+                1
+            }
+        }
+    });
+    let mut zygote = match zygote {
+        Ok(z) => z,
+        Err(e) => {
+            let thawed = frozen.thaw();
+            let mut msg = chain(&e);
+            if let Err(t) = thawed {
+                msg.push_str(&format!("; and the vm could not be thawed: {}", chain(&t)));
+            }
+            return Reply::error(msg);
+        }
+    };
+    fork::trace(started, "zygote forked");
+    if let Err(e) = frozen.resume_here() {
+        return Reply::error(format!(
+            "the vm could not go on after the fork: {}",
+            chain(&e)
+        ));
+    }
+    let pause_ms = ms(started.elapsed());
+    let mut reply = match zygote.wait_ready(WRITER_TIMEOUT) {
+        Ok(json) => serde_json::from_str(&json)
+            .unwrap_or_else(|e| Reply::error(format!("bad report from the zygote: {e}"))),
+        Err(e) => Reply::error(chain(&e)),
+    };
+    reply.pid = std::process::id();
+    reply.name = opts.name.clone();
+    reply.pause_ms = Some(pause_ms);
+    reply
+}
+
 fn kill(pid: u32) {
     // SAFETY: kill(2) of a process this one just forked.
     unsafe {
@@ -334,10 +407,10 @@ fn kill(pid: u32) {
 }
 
 /// Starts one process per child.
-fn spawn_children(frozen: &Frozen, children: &[Identity]) -> Result<Vec<Spawned>, ForkError> {
+fn spawn_children(parts: &ForkParts, children: &[Identity]) -> Result<Vec<Spawned>, ForkError> {
     let mut spawned = Vec::with_capacity(children.len());
     for id in children {
-        match frozen.spawn(false, |off| vm_body(off, id, Mode::Child)) {
+        match fork::spawn(parts, false, |off| vm_body(off, id, Mode::Child)) {
             Ok(s) => spawned.push(s),
             Err(e) => {
                 for s in &spawned {
