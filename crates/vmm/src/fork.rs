@@ -326,6 +326,75 @@ impl ForkSource {
     }
 }
 
+/// Forks a standby from `parts` whose memory nobody writes any more (a
+/// checkpoint template's): it makes a VM and vCPUs at once, then waits
+/// for [`Standby::start`] and runs `body` with what that sends. Rollback
+/// then costs only loading the state.
+pub fn spawn_standby(
+    parts: &ForkParts,
+    keep_taps: bool,
+    body: impl FnOnce(&mut Offspring, Vec<u8>) -> i32,
+) -> Result<Standby, ForkError> {
+    let (handover_read, handover_write) = pipe()?;
+    let (report_read, report_write) = pipe()?;
+    // SAFETY: fork(2) of a single-threaded process; the child ends with
+    // _exit and never returns into the parent's frames.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(ForkError::Fork(std::io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        std::mem::forget(handover_write);
+        std::mem::forget(report_read);
+        let mut handover = handover_read;
+        let mut report = report_write;
+        let mut keep = memory::backing_fds(&parts.mem);
+        keep.push(handover.as_raw_fd());
+        keep.push(report.as_raw_fd());
+        if keep_taps {
+            keep.extend_from_slice(&parts.tap_fds);
+        }
+        close_fds_except(&keep);
+        let prepared =
+            prepare_machine(&parts.config.kvm_device, &parts.mem, parts.config.vcpus).ok();
+        let _ = writeln!(report, "ok prepared");
+        let mut buf = Vec::new();
+        let code = match std::io::Read::read_to_end(&mut handover, &mut buf) {
+            Ok(_) if !buf.is_empty() => {
+                let mut off = Offspring {
+                    prepared,
+                    parts: ForkParts {
+                        tap_fds: if keep_taps {
+                            parts.tap_fds.clone()
+                        } else {
+                            Vec::new()
+                        },
+                        ..parts.clone()
+                    },
+                    report,
+                };
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off, buf)))
+                    .unwrap_or(101)
+            }
+            // Called off: the template ended or replaced it.
+            _ => 0,
+        };
+        // SAFETY: ends this forked process without destructors.
+        unsafe { libc::_exit(code) }
+    }
+    drop(handover_read);
+    drop(report_write);
+    let mut spawned = Spawned {
+        pid: pid as u32,
+        report: BufReader::new(report_read),
+    };
+    spawned.wait_ready(Duration::from_secs(2))?;
+    Ok(Standby {
+        spawned,
+        handover: handover_write,
+    })
+}
+
 /// A standby continuation (see [`ForkSource::prepare`]).
 pub struct Standby {
     spawned: Spawned,
@@ -336,6 +405,20 @@ impl Standby {
     /// Its pid.
     pub fn pid(&self) -> u32 {
         self.spawned.pid
+    }
+
+    /// Sends `data` to a standby made by [`spawn_standby`]; it then runs
+    /// its body.
+    pub fn start(self, data: &[u8]) -> Result<Spawned, ForkError> {
+        let Standby {
+            spawned,
+            mut handover,
+        } = self;
+        handover
+            .write_all(data)
+            .map_err(|e| ForkError::Child(format!("cannot start the standby: {e}")))?;
+        drop(handover);
+        Ok(spawned)
     }
 }
 

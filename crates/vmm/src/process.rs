@@ -641,6 +641,9 @@ fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
     };
     off.ready(&std::process::id().to_string());
     let parts = off.parts.clone();
+    // A standby with its VM made waits for the next rollback.
+    let prepare = || fork::spawn_standby(&parts, true, rollback_standby_body).ok();
+    let mut standby = prepare();
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let reply = match read_request(&conn) {
@@ -661,7 +664,12 @@ fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
                 let _ = std::fs::remove_file(socket);
                 return 0;
             }
-            Ok(Request::Rollback { vm }) => rollback(&parts, &vm),
+            Ok(Request::Rollback { vm }) => {
+                let reply = rollback(&parts, &vm, standby.take());
+                send(&conn, &reply);
+                standby = prepare();
+                continue;
+            }
             Ok(_) => Reply::error("this is a checkpoint: it takes rollback, ping and drop"),
         };
         send(&conn, &reply);
@@ -669,15 +677,31 @@ fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
     0
 }
 
+/// Body of a template's standby: the vm's identity arrives as JSON.
+fn rollback_standby_body(off: &mut Offspring, data: Vec<u8>) -> i32 {
+    match serde_json::from_slice::<Identity>(&data) {
+        Ok(id) => vm_body(off, &id, Mode::Rollback),
+        Err(e) => {
+            off.failed(&format!("bad rollback request: {e}"));
+            1
+        }
+    }
+}
+
 /// Starts the vm `id` again from a checkpoint. The caller has stopped the
 /// vm; its top layers are replaced by fresh overlays on the frozen ones.
-fn rollback(parts: &ForkParts, id: &Identity) -> Reply {
+fn rollback(parts: &ForkParts, id: &Identity, standby: Option<fork::Standby>) -> Reply {
     let t0 = Instant::now();
     for top in &id.disks {
         let _ = std::fs::remove_file(top);
     }
-    let started = fork::spawn(parts, true, |off| vm_body(off, id, Mode::Rollback))
-        .and_then(|mut s| s.wait_ready(READY_TIMEOUT).map(|_| s));
+    let started = match standby {
+        Some(s) => serde_json::to_vec(id)
+            .map_err(|e| ForkError::Child(e.to_string()))
+            .and_then(|data| s.start(&data)),
+        None => fork::spawn(parts, true, |off| vm_body(off, id, Mode::Rollback)),
+    }
+    .and_then(|mut s| s.wait_ready(READY_TIMEOUT).map(|_| s));
     match started {
         Ok(s) => Reply {
             pid: std::process::id(),
