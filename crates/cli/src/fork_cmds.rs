@@ -287,7 +287,7 @@ pub fn rollback(home: &Path, name: &str, tag: &str, json: bool) -> anyhow::Resul
     }
     let t0 = Instant::now();
     if vm.state(&r) == VmState::Running {
-        crate::vm_cmds::kill_quietly(&r)?;
+        crate::vm_cmds::kill_stopped(&r)?;
     }
     let _ = std::fs::remove_file(vm.exit_path());
     let call = call(

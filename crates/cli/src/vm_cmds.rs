@@ -550,6 +550,22 @@ pub fn kill(home: &Path, name: &str) -> anyhow::Result<ExitCode> {
 }
 
 /// SIGKILLs the VMM and waits until it is gone; writes no exit record.
+/// SIGKILLs the VMM and returns once its main thread has exited: the
+/// guest no longer runs, while the kernel may still be freeing its memory
+/// (rollback does not wait for that; the vm it starts takes over the
+/// socket paths and gets a new top layer file).
+pub fn kill_stopped(r: &VmRecord) -> anyhow::Result<()> {
+    signal(r, libc::SIGKILL);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while state::process_alive(r.pid, r.pid_start) {
+        if Instant::now() > deadline {
+            bail!("VMM pid {} of vm {:?} survived SIGKILL", r.pid, r.name);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
+}
+
 pub fn kill_quietly(r: &VmRecord) -> anyhow::Result<()> {
     signal(r, libc::SIGKILL);
     // Generous: a loaded host takes a while to tear down a big vm.
