@@ -235,94 +235,50 @@ impl ForkSource {
 
 impl ForkSource {
     /// Takes the KVM setup of the parent's continuation off the pause:
-    /// fork(2)s a standby process while the guest still runs, which
-    /// creates its VM, memslots (on the still shared memfd, at the same
-    /// addresses), irqchip and vCPUs, then waits for the moment.
-    /// [`Frozen::hand_over`] sends it; the standby then maps RAM private,
+    /// fork(2)s a standby ([`fork_standby`]) while the guest still runs;
+    /// its memslots are on the still shared memfd, at the same addresses.
+    /// [`Frozen::hand_over`] sends it the moment; it then maps RAM private,
     /// loads the state and runs `body`. Only for a shared memfd: a private
     /// view forked now would hold the running, not the frozen, memory.
+    ///
+    /// The standby is forked while vCPU and device threads run, so it uses
+    /// nothing they may have locked: no logging before the moment arrives
+    /// (the stderr lock), only this source's plain data and KVM.
     pub fn prepare(&self, body: impl FnOnce(&mut Offspring) -> i32) -> Result<Standby, ForkError> {
         if self.backing != RamBacking::SharedMemfd {
             return Err(ForkError::Child(
                 "only a shared memfd can be prepared for".into(),
             ));
         }
-        let (handover_read, handover_write) = pipe()?;
-        let (report_read, report_write) = pipe()?;
-        // SAFETY: fork(2); the child runs only `standby_main`, which never
-        // returns into the parent's frames (it ends with _exit). It touches
-        // no lock another thread may hold (see `standby_main`).
-        let pid = unsafe { libc::fork() };
-        if pid < 0 {
-            return Err(ForkError::Fork(std::io::Error::last_os_error()));
-        }
-        if pid == 0 {
-            std::mem::forget(handover_write);
-            std::mem::forget(report_read);
-            self.standby_main(handover_read, report_write, body);
-        }
-        drop(handover_read);
-        drop(report_write);
-        let mut spawned = Spawned {
-            pid: pid as u32,
-            report: BufReader::new(report_read),
-        };
-        // Freeze only once its VM is ready, or the two compete for the CPU.
-        spawned.wait_ready(Duration::from_secs(2))?;
-        Ok(Standby {
-            spawned,
-            handover: handover_write,
-        })
-    }
-
-    /// The standby process. Forked while vCPU and device threads run, so
-    /// it uses nothing they may have locked: no logging before the moment
-    /// arrives (the stderr lock), only this source's plain data and KVM.
-    fn standby_main(
-        &self,
-        mut handover: File,
-        report: File,
-        body: impl FnOnce(&mut Offspring) -> i32,
-    ) -> ! {
-        let mut keep = memory::backing_fds(&self.mem);
-        keep.push(handover.as_raw_fd());
-        keep.push(report.as_raw_fd());
-        keep.extend_from_slice(&self.tap_fds);
-        close_fds_except(&keep);
-        let prepared = prepare_machine(&self.config.kvm_device, &self.mem, self.config.vcpus).ok();
-        let mut report = report;
-        let _ = writeln!(report, "ok prepared");
-        let mut buf = Vec::new();
-        let got = std::io::Read::read_to_end(&mut handover, &mut buf);
-        let handed: Option<Handover> = got.ok().and_then(|_| serde_json::from_slice(&buf).ok());
-        let Some(h) = handed else {
-            // The fork was called off (or the parent died): nothing to do.
-            // SAFETY: ends this forked process without destructors.
-            unsafe { libc::_exit(0) }
-        };
-        let mut off = Offspring {
-            prepared,
-            parts: ForkParts {
-                mem: self.mem.clone(),
-                backing: RamBacking::Private,
-                moment: h.moment,
-                config: self.config.clone(),
-                disks: h.disks,
-                tap_fds: self.tap_fds.clone(),
+        fork_standby(
+            &self.mem,
+            &self.config,
+            &self.tap_fds,
+            |prepared, data, report| {
+                let Ok(h) = serde_json::from_slice::<Handover>(&data) else {
+                    return 1;
+                };
+                let mut off = Offspring {
+                    prepared,
+                    parts: ForkParts {
+                        mem: self.mem.clone(),
+                        backing: RamBacking::Private,
+                        moment: h.moment,
+                        config: self.config.clone(),
+                        disks: h.disks,
+                        tap_fds: self.tap_fds.clone(),
+                    },
+                    report,
+                };
+                match memory::make_private(&self.mem) {
+                    Err(e) => {
+                        off.failed(&e.to_string());
+                        1
+                    }
+                    Ok(()) => body(&mut off),
+                }
             },
-            report,
-        };
-        let code = match memory::make_private(&self.mem) {
-            Err(e) => {
-                off.failed(&e.to_string());
-                1
-            }
-            Ok(()) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off)))
-                .unwrap_or(101),
-        };
-        // SAFETY: ends this forked process without running the parent's
-        // destructors or atexit handlers.
-        unsafe { libc::_exit(code) }
+        )
     }
 }
 
@@ -335,10 +291,36 @@ pub fn spawn_standby(
     keep_taps: bool,
     body: impl FnOnce(&mut Offspring, Vec<u8>) -> i32,
 ) -> Result<Standby, ForkError> {
+    let taps: &[i32] = if keep_taps { &parts.tap_fds } else { &[] };
+    fork_standby(&parts.mem, &parts.config, taps, |prepared, data, report| {
+        let mut off = Offspring {
+            prepared,
+            parts: ForkParts {
+                tap_fds: taps.to_vec(),
+                ..parts.clone()
+            },
+            report,
+        };
+        body(&mut off, data)
+    })
+}
+
+/// fork(2)s a process that keeps only `mem`'s fds, `taps` and its pipes,
+/// creates a VM with `mem` as memslots, an irqchip and `config.vcpus`
+/// vCPUs, reports "prepared", and waits: [`Standby::start`] (or
+/// [`Frozen::hand_over`]) sends it bytes and it runs `body`; a closed pipe
+/// without bytes ends it. `body` gets the VM and vCPUs (if KVM made
+/// them), the bytes and the report pipe.
+fn fork_standby(
+    mem: &GuestMemoryMmap,
+    config: &VmConfig,
+    taps: &[i32],
+    body: impl FnOnce(Option<(Vm, Vec<Vcpu>)>, Vec<u8>, File) -> i32,
+) -> Result<Standby, ForkError> {
     let (handover_read, handover_write) = pipe()?;
     let (report_read, report_write) = pipe()?;
-    // SAFETY: fork(2) of a single-threaded process; the child ends with
-    // _exit and never returns into the parent's frames.
+    // SAFETY: fork(2); the child ends with _exit and never returns into
+    // the parent's frames.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(ForkError::Fork(std::io::Error::last_os_error()));
@@ -348,38 +330,26 @@ pub fn spawn_standby(
         std::mem::forget(report_read);
         let mut handover = handover_read;
         let mut report = report_write;
-        let mut keep = memory::backing_fds(&parts.mem);
+        let mut keep = memory::backing_fds(mem);
         keep.push(handover.as_raw_fd());
         keep.push(report.as_raw_fd());
-        if keep_taps {
-            keep.extend_from_slice(&parts.tap_fds);
-        }
+        keep.extend_from_slice(taps);
         close_fds_except(&keep);
-        let prepared =
-            prepare_machine(&parts.config.kvm_device, &parts.mem, parts.config.vcpus).ok();
+        let prepared = prepare_machine(&config.kvm_device, mem, config.vcpus).ok();
         let _ = writeln!(report, "ok prepared");
-        let mut buf = Vec::new();
-        let code = match std::io::Read::read_to_end(&mut handover, &mut buf) {
-            Ok(_) if !buf.is_empty() => {
-                let mut off = Offspring {
-                    prepared,
-                    parts: ForkParts {
-                        tap_fds: if keep_taps {
-                            parts.tap_fds.clone()
-                        } else {
-                            Vec::new()
-                        },
-                        ..parts.clone()
-                    },
-                    report,
-                };
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut off, buf)))
-                    .unwrap_or(101)
+        let mut data = Vec::new();
+        let code = match std::io::Read::read_to_end(&mut handover, &mut data) {
+            Ok(_) if !data.is_empty() => {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    body(prepared, data, report)
+                }))
+                .unwrap_or(101)
             }
-            // Called off: the template ended or replaced it.
+            // Called off: the fork failed, or the template ended.
             _ => 0,
         };
-        // SAFETY: ends this forked process without destructors.
+        // SAFETY: ends this forked process without running the parent's
+        // destructors or atexit handlers.
         unsafe { libc::_exit(code) }
     }
     drop(handover_read);
@@ -388,6 +358,8 @@ pub fn spawn_standby(
         pid: pid as u32,
         report: BufReader::new(report_read),
     };
+    // The caller freezes only once its VM is ready, or the two compete
+    // for the CPU.
     spawned.wait_ready(Duration::from_secs(2))?;
     Ok(Standby {
         spawned,
