@@ -17,18 +17,18 @@ fn tine(home: &Path) -> Command {
 }
 
 /// Runs `tine ARGS` (stdin /dev/null), bounded by `common::call_timeout()`;
-/// a timeout panics with the machine's logs.
+/// a timeout (or a failure to start it) panics with the machine's logs.
 fn run(home: &Path, args: &[&str]) -> Output {
     try_run(home, args).unwrap_or_else(|report| {
         common::progress(&report);
         panic!(
-            "tine {}: timed out (report above on stderr)",
-            common::show_args(args)
+            "{} (report above on stderr)",
+            report.lines().next().unwrap_or_default()
         );
     })
 }
 
-/// `run` that reports a timeout instead of panicking (for Drop).
+/// `run` that returns the report instead of panicking (for Drop).
 fn try_run(home: &Path, args: &[&str]) -> Result<Output, String> {
     let t0 = Instant::now();
     let mut cmd = tine(home);
@@ -47,7 +47,7 @@ fn try_run(home: &Path, args: &[&str]) -> Result<Output, String> {
         Err(mut t) => {
             t.what = format!("tine {}", common::show_args(args));
             Err(format!(
-                "{t}{}--- end of the timeout report ---",
+                "{t}{}--- end of the report ---",
                 machine_logs(home)
             ))
         }

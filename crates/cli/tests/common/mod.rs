@@ -262,9 +262,12 @@ pub fn show_args(args: &[&str]) -> String {
     s
 }
 
-/// A call that did not end in time. Its process group was killed.
-pub struct CallTimeout {
+/// A call that could not be started, or did not end in time (then its
+/// process group was killed).
+pub struct CallFailed {
     pub what: String,
+    /// Why it could not be started (then nothing below is set).
+    pub not_started: Option<String>,
     pub limit: Duration,
     pub elapsed: Duration,
     /// Set when the process had exited but a pipe stayed open (a process it
@@ -276,8 +279,11 @@ pub struct CallTimeout {
     pub stacks: String,
 }
 
-impl std::fmt::Display for CallTimeout {
+impl std::fmt::Display for CallFailed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(e) = &self.not_started {
+            return writeln!(f, "FAILED: {} could not be started: {e}", self.what);
+        }
         match self.exited {
             None => writeln!(
                 f,
@@ -331,7 +337,7 @@ pub fn file_tail(path: &Path, n: usize) -> String {
 
 /// Runs `cmd` in its own process group with stdout and stderr captured
 /// (stdin as the caller set it, inherited otherwise) and waits at most `limit`.
-pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output, Box<CallTimeout>> {
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Result<Output, Box<CallFailed>> {
     output_impl(cmd, limit, true)
 }
 
@@ -339,21 +345,36 @@ fn output_impl(
     cmd: &mut Command,
     limit: Duration,
     with_stacks: bool,
-) -> Result<Output, Box<CallTimeout>> {
+) -> Result<Output, Box<CallFailed>> {
     let what = format!("{cmd:?}");
-    let child = cmd
+    // An error, not a panic: Home::drop calls this while a failed test unwinds.
+    let child = match cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .spawn()
-        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    {
+        Ok(c) => c,
+        Err(e) => {
+            return Err(Box::new(CallFailed {
+                what,
+                not_started: Some(e.to_string()),
+                limit,
+                elapsed: Duration::ZERO,
+                exited: None,
+                stdout: Vec::new(),
+                stderr: Vec::new(),
+                stacks: String::new(),
+            }))
+        }
+    };
     wait_impl(child, &what, limit, with_stacks)
 }
 
 /// Waits at most `limit` for `child` (whose stdout and stderr, where piped,
 /// are collected). On timeout its threads' stacks are taken, then it is
 /// killed with its process group when it leads one.
-pub fn wait_within(child: Child, what: &str, limit: Duration) -> Result<Output, Box<CallTimeout>> {
+pub fn wait_within(child: Child, what: &str, limit: Duration) -> Result<Output, Box<CallFailed>> {
     wait_impl(child, what, limit, true)
 }
 
@@ -362,7 +383,7 @@ fn wait_impl(
     what: &str,
     limit: Duration,
     with_stacks: bool,
-) -> Result<Output, Box<CallTimeout>> {
+) -> Result<Output, Box<CallFailed>> {
     let started = Instant::now();
     let deadline = started + limit;
     let group = leads_group(child.id());
@@ -417,8 +438,9 @@ fn wait_impl(
                     if group {
                         signal(child.id(), true, libc::SIGKILL);
                     }
-                    return Err(Box::new(CallTimeout {
+                    return Err(Box::new(CallFailed {
                         what: what.to_string(),
+                        not_started: None,
                         limit,
                         elapsed: started.elapsed(),
                         exited: Some(st),
@@ -450,8 +472,9 @@ fn wait_impl(
     let _ = child.wait();
     // Whatever the readers got by now (they end once the group is gone).
     std::thread::sleep(Duration::from_millis(100));
-    Err(Box::new(CallTimeout {
+    Err(Box::new(CallFailed {
         what: what.to_string(),
+        not_started: None,
         limit,
         elapsed,
         exited: None,
@@ -603,7 +626,7 @@ impl Home {
         let mut cmd = self.cmd(args);
         cmd.stdin(Stdio::null());
         self.call(args, &mut cmd, limit)
-            .unwrap_or_else(|t| self.fail_timeout(&t))
+            .unwrap_or_else(|t| self.fail_call(&t))
     }
     pub fn ok(&self, args: &[&str]) -> String {
         self.ok_within(args, call_timeout())
@@ -624,7 +647,7 @@ impl Home {
     pub fn wait_within(&self, child: Child, args: &[&str], limit: Duration) -> Output {
         let t0 = Instant::now();
         let out = wait_within(child, &format!("tine {}", show_args(args)), limit)
-            .unwrap_or_else(|t| self.fail_timeout(&t));
+            .unwrap_or_else(|t| self.fail_call(&t));
         self.note_slow(args, t0.elapsed());
         out
     }
@@ -678,7 +701,7 @@ impl Home {
         args: &[&str],
         cmd: &mut Command,
         limit: Duration,
-    ) -> Result<Output, Box<CallTimeout>> {
+    ) -> Result<Output, Box<CallFailed>> {
         let t0 = Instant::now();
         let r = output_within(cmd, limit);
         let r = r.map_err(|mut t| {
@@ -703,16 +726,12 @@ impl Home {
 
     /// Prints the whole report at once (it must reach the log even if the
     /// binary is killed later) and fails the test.
-    fn fail_timeout(&self, t: &CallTimeout) -> ! {
-        let report = format!(
-            "{t}{}--- end of the timeout report ---\n",
-            self.diagnostics()
-        );
+    fn fail_call(&self, t: &CallFailed) -> ! {
+        let report = format!("{t}{}--- end of the report ---\n", self.diagnostics());
         progress(&report);
         panic!(
-            "{}: timed out after {:.1} s (report above on stderr)\nstderr so far:\n{}",
-            t.what,
-            t.elapsed.as_secs_f64(),
+            "{} (report above on stderr)\nstderr so far:\n{}",
+            t.to_string().lines().next().unwrap_or_default(),
             tail_text(&t.stderr, 20)
         );
     }
