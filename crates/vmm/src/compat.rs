@@ -35,16 +35,8 @@ const _: () = assert!(snapshot::compat::CAP_TSC_CONTROL == Cap::TscControl as u3
 /// Errors while reading this host's KVM.
 #[derive(Debug, thiserror::Error)]
 pub enum CompatCollectError {
-    #[error("{path} does not exist: this host has no KVM. Load kvm_intel or kvm_amd")]
-    KvmMissing { path: String },
-    #[error("{path}: permission denied. Add your user to the group that owns it (usually `kvm`) or run as root")]
-    KvmDenied { path: String },
-    #[error("Cannot open {path}")]
-    KvmOpen {
-        path: String,
-        #[source]
-        source: kvm_ioctls::Error,
-    },
+    #[error(transparent)]
+    Open(#[from] crate::vm::VmError),
     #[error("{0} failed")]
     Kvm(&'static str, #[source] kvm_ioctls::Error),
 }
@@ -52,17 +44,7 @@ pub enum CompatCollectError {
 /// What this host's KVM (at `kvm_path`) and this tine offer. Creates a
 /// throwaway VM and vCPU to learn the CPUID a guest here gets.
 pub fn host_compat(kvm_path: &Path) -> Result<HostCompat, CompatCollectError> {
-    let path = kvm_path.display().to_string();
-    let cpath = std::ffi::CString::new(kvm_path.as_os_str().as_encoded_bytes())
-        .map_err(|_| CompatCollectError::KvmMissing { path: path.clone() })?;
-    let kvm = Kvm::new_with_path(cpath.as_c_str()).map_err(|source| match source.errno() {
-        libc::ENOENT => CompatCollectError::KvmMissing { path: path.clone() },
-        libc::EACCES | libc::EPERM => CompatCollectError::KvmDenied { path: path.clone() },
-        _ => CompatCollectError::KvmOpen {
-            path: path.clone(),
-            source,
-        },
-    })?;
+    let kvm = crate::vm::open_kvm(kvm_path)?;
     let supported = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(|e| CompatCollectError::Kvm("KVM_GET_SUPPORTED_CPUID", e))?;

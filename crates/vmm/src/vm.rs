@@ -52,6 +52,18 @@ pub enum VmError {
     TooManyRegions,
 }
 
+/// Opens the KVM device at `kvm_path`, naming what is wrong when it cannot.
+pub fn open_kvm(kvm_path: &Path) -> Result<Kvm, VmError> {
+    let path = kvm_path.display().to_string();
+    let cpath = std::ffi::CString::new(kvm_path.as_os_str().as_encoded_bytes())
+        .map_err(|_| VmError::KvmMissing { path: path.clone() })?;
+    Kvm::new_with_path(cpath.as_c_str()).map_err(|source| match source.errno() {
+        libc::ENOENT => VmError::KvmMissing { path },
+        libc::EACCES | libc::EPERM => VmError::KvmDenied { path },
+        _ => VmError::KvmOpen { path, source },
+    })
+}
+
 /// An open VM with its memory and interrupt controllers.
 pub struct Vm {
     fd: VmFd,
@@ -64,17 +76,7 @@ pub struct Vm {
 impl Vm {
     /// Opens `kvm_path` and creates a VM.
     pub fn new(kvm_path: &Path) -> Result<Self, VmError> {
-        let path = kvm_path.display().to_string();
-        let cpath = std::ffi::CString::new(kvm_path.as_os_str().as_encoded_bytes())
-            .map_err(|_| VmError::KvmMissing { path: path.clone() })?;
-        let kvm = Kvm::new_with_path(cpath.as_c_str()).map_err(|source| match source.errno() {
-            libc::ENOENT => VmError::KvmMissing { path: path.clone() },
-            libc::EACCES | libc::EPERM => VmError::KvmDenied { path: path.clone() },
-            _ => VmError::KvmOpen {
-                path: path.clone(),
-                source,
-            },
-        })?;
+        let kvm = open_kvm(kvm_path)?;
         let fd = kvm
             .create_vm()
             .map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?;
