@@ -589,15 +589,21 @@ impl Frozen<'_> {
     }
 
     fn thaw_in_place(&mut self) -> Result<(), ForkError> {
+        self.go_on(|f, d| d.thaw(&f.top)).map(|_| ())
+    }
+
+    /// Ends the freeze in this process: `per_disk` on each frozen disk,
+    /// sockets back, devices and vCPUs go on. Returns the frozen disks.
+    fn go_on(
+        &mut self,
+        mut per_disk: impl FnMut(&FrozenDisk, &mut disk::Disk) -> Result<(), disk::DiskError>,
+    ) -> Result<Vec<FrozenDisk>, ForkError> {
         self.thawed = true;
-        let mut devices = lock(&self.source.devices);
         let disks = std::mem::take(&mut self.disks);
-        let res = devices.for_each_disk(|index, d| {
-            if let Some(f) = disks.iter().find(|f| f.index == index) {
-                d.thaw(&f.top)
-                    .map_err(|source| ForkError::Disk { index, source })?;
-            }
-            Ok(())
+        let mut devices = lock(&self.source.devices);
+        let res = devices.for_each_disk(|index, d| match disks.iter().find(|f| f.index == index) {
+            Some(f) => per_disk(f, d).map_err(|source| ForkError::Disk { index, source }),
+            None => Ok(()),
         });
         if let Some((path, aside)) = self.socket_aside.take() {
             let _ = std::fs::rename(aside, path);
@@ -605,7 +611,7 @@ impl Frozen<'_> {
         devices.park.unpark();
         drop(devices);
         self.source.handle.resume().map_err(ForkError::Pause)?;
-        res
+        res.map(|()| disks)
     }
 
     /// Step 3 for a vm with private memory, which goes on in this process
@@ -613,29 +619,17 @@ impl Frozen<'_> {
     /// frozen disk gets a new top layer here, sockets move back, devices
     /// and vCPUs go on. The frozen layers are fsynced after the resume.
     pub fn resume_here(mut self) -> Result<(), ForkError> {
-        self.thawed = true;
-        let disks = std::mem::take(&mut self.disks);
-        let mut devices = lock(&self.source.devices);
-        let res = devices.for_each_disk(|index, d| {
-            if let Some(f) = disks.iter().find(|f| f.index == index) {
-                let err = |source| ForkError::Disk { index, source };
-                disk::create_overlay(&f.frozen, &f.top).map_err(err)?;
-                *d = disk::Disk::open(&f.top, true).map_err(err)?;
-            }
+        let disks = self.go_on(|f, d| {
+            disk::create_overlay(&f.frozen, &f.top)?;
+            *d = disk::Disk::open(&f.top, true)?;
             Ok(())
-        });
-        if let Some((path, aside)) = self.socket_aside.take() {
-            let _ = std::fs::rename(aside, path);
-        }
-        devices.park.unpark();
-        drop(devices);
-        self.source.handle.resume().map_err(ForkError::Pause)?;
+        })?;
         for f in &disks {
             if let Ok(file) = File::open(&f.frozen) {
                 let _ = file.sync_all();
             }
         }
-        res
+        Ok(())
     }
 
     /// Ends the freeze for a source that lives on (a private-memory source
