@@ -474,6 +474,31 @@ pub fn shutdown<S: Read + Write>(mut s: S) -> Result<(), ClientError> {
     }
 }
 
+/// Freezes every guest process but the agent until a [`wake`] (or
+/// `timeout_ms`), so nothing uses the state a fork is about to copy.
+pub fn quiesce<S: Read + Write>(
+    s: &mut S,
+    timeout_ms: u64,
+) -> Result<crate::wake::QuiesceReport, ClientError> {
+    send(s, Message::Quiesce { timeout_ms })?;
+    match read_message(s)? {
+        Message::Quiesced(r) => Ok(r),
+        m => Err(unexpected(m)),
+    }
+}
+
+/// The wake-up step: the agent applies `w` and reports each step.
+pub fn wake<S: Read + Write>(
+    s: &mut S,
+    w: crate::wake::Wake,
+) -> Result<crate::wake::WakeReport, ClientError> {
+    send(s, Message::Wake(w))?;
+    match read_message(s)? {
+        Message::Woke(r) => Ok(r),
+        m => Err(unexpected(m)),
+    }
+}
+
 /// Reads one message frame; an `Error` reply becomes `ClientError::Agent`.
 fn read_message<S: Read>(s: &mut S) -> Result<Message, ClientError> {
     match read_frame(s)? {

@@ -19,6 +19,9 @@
 //! - `ReadFile` → `FileInfo`, `Data(file)` frames, `Eof(file)`.
 //! - `WriteFile` → host sends `Data(file)` frames and `Eof(file)` → `Written`.
 //! - `Shutdown` → `ShuttingDown`, then the guest powers off.
+//! - `Quiesce` → `Quiesced`: every guest process but the agent is frozen
+//!   until a `Wake` (or the timeout); see [`wake`].
+//! - `Wake` → `Woke`: the wake-up step after a fork, restore or rollback.
 //!
 //! Any request may instead be answered by `Error`.
 //!
@@ -28,10 +31,13 @@
 use std::io::{self, Read, Write};
 
 pub mod client;
+pub mod wake;
 pub use client::{
-    connect_vsock_uds, exec, hello, hello_as, ping, read_file, shutdown, vsock_handshake,
-    write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo, Pong,
+    connect_vsock_uds, exec, hello, hello_as, ping, quiesce, read_file, shutdown,
+    vsock_handshake, wake, write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo,
+    Pong,
 };
+pub use wake::{QuiesceReport, Wake, WakeReport};
 
 use serde::{Deserialize, Serialize};
 
@@ -153,6 +159,13 @@ pub enum Message {
     },
     Shutdown,
     ShuttingDown,
+    Quiesce {
+        /// Thaw on its own after this long without a Wake.
+        timeout_ms: u64,
+    },
+    Quiesced(wake::QuiesceReport),
+    Wake(wake::Wake),
+    Woke(wake::WakeReport),
     Error {
         kind: ErrorKind,
         message: String,
