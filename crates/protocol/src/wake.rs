@@ -23,6 +23,9 @@ pub const DEFAULT_QUIESCE_TIMEOUT_MS: u64 = 60_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
+    /// A vm that just booted: it takes its identity (hostname, network)
+    /// for the first time.
+    Boot,
     /// The vm that was forked, going on with its own identity.
     Parent,
     /// A new child of a fork.
@@ -170,9 +173,7 @@ pub struct WakeReport {
 impl WakeReport {
     /// Steps that failed.
     pub fn failed(&self) -> impl Iterator<Item = &WakeStep> {
-        self.steps
-            .iter()
-            .filter(|s| s.status == StepStatus::Failed)
+        self.steps.iter().filter(|s| s.status == StepStatus::Failed)
     }
 }
 
