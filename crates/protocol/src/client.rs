@@ -492,9 +492,9 @@ pub fn wake<S: Read + Write>(
     s: &mut S,
     w: crate::wake::Wake,
 ) -> Result<crate::wake::WakeReport, ClientError> {
-    send(s, Message::Wake(w))?;
+    send(s, Message::Wake(Box::new(w)))?;
     match read_message(s)? {
-        Message::Woke(r) => Ok(r),
+        Message::Woke(r) => Ok(*r),
         m => Err(unexpected(m)),
     }
 }

@@ -164,8 +164,8 @@ pub enum Message {
         timeout_ms: u64,
     },
     Quiesced(wake::QuiesceReport),
-    Wake(wake::Wake),
-    Woke(wake::WakeReport),
+    Wake(Box<wake::Wake>),
+    Woke(Box<wake::WakeReport>),
     Error {
         kind: ErrorKind,
         message: String,
