@@ -30,7 +30,13 @@ pub enum Request {
     },
     /// Write the frozen vm to `dir` (memory, state, manifest) while it
     /// runs on.
-    Snapshot { dir: PathBuf, layers_dir: PathBuf },
+    Snapshot {
+        dir: PathBuf,
+        layers_dir: PathBuf,
+        /// Stored in the manifest (the vm's fork contract, TOML).
+        #[serde(default)]
+        contract: Option<String>,
+    },
     /// To a template: start the vm again from the checkpoint as `vm`.
     Rollback { vm: Identity },
     /// To a template: exit.

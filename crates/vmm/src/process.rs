@@ -186,7 +186,11 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     Ok(reply)
                 },
             ),
-            Request::Snapshot { dir, layers_dir } => {
+            Request::Snapshot {
+                dir,
+                layers_dir,
+                contract,
+            } => {
                 let name = opts.name.clone();
                 freeze_and(
                     &source,
@@ -194,7 +198,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     &layers_dir,
                     |parts| {
                         Ok(vec![fork::spawn(parts, false, |off| {
-                            writer_body(off, &dir, &name)
+                            writer_body(off, &dir, &name, contract.as_deref())
                         })?])
                     },
                     |mut w, t0| {
@@ -718,8 +722,8 @@ fn rollback(parts: &ForkParts, id: &Identity, standby: Option<fork::Standby>) ->
 }
 
 /// Body of a snapshot writer: writes the frozen view and exits.
-fn writer_body(off: &mut Offspring, dir: &Path, name: &str) -> i32 {
-    match snapshot_dir::write(&off.parts, dir, name) {
+fn writer_body(off: &mut Offspring, dir: &Path, name: &str, contract: Option<&str>) -> i32 {
+    match snapshot_dir::write(&off.parts, dir, name, contract) {
         Ok(bytes) => {
             off.ready(&bytes.to_string());
             0

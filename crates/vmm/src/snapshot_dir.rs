@@ -40,6 +40,10 @@ pub struct Manifest {
     pub memory_bytes: u64,
     /// What the host must offer to restore it (checked first).
     pub compat: snapshot::compat::Compat,
+    /// The vm's fork contract (TOML, see crates/contract): how copies
+    /// restored from this snapshot wake up. Names and policies only.
+    #[serde(default)]
+    pub contract: Option<String>,
 }
 
 /// A disk of a snapshot.
@@ -103,7 +107,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotDirError + '_ {
 /// Writes `parts` (a frozen, private view) to `dir`; returns the bytes of
 /// memory data written. Only pages the guest ever populated are read
 /// (mincore), so untouched RAM costs nothing and stays a hole.
-pub fn write(parts: &ForkParts, dir: &Path, name: &str) -> Result<u64, SnapshotDirError> {
+pub fn write(
+    parts: &ForkParts,
+    dir: &Path,
+    name: &str,
+    contract: Option<&str>,
+) -> Result<u64, SnapshotDirError> {
     fs::create_dir_all(dir).map_err(io(dir))?;
     if dir.join(MANIFEST).exists() {
         return Err(SnapshotDirError::NotEmpty(dir.into()));
@@ -166,6 +175,7 @@ pub fn write(parts: &ForkParts, dir: &Path, name: &str) -> Result<u64, SnapshotD
         vsock_cid: config.vsock.as_ref().map(|v| v.guest_cid),
         memory_bytes: written,
         compat,
+        contract: contract.map(str::to_owned),
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| SnapshotDirError::Manifest {
         path: dir.join(MANIFEST),
