@@ -4,23 +4,31 @@
 //! scripts/build-agent) so it runs from any initramfs.
 //!
 //! - `tine-agent serve [--vsock PORT] [--unix PATH] [--tcp ADDR]
-//!   [--exit-on-shutdown]`: serves the protocol (crates/protocol) on each
-//!   listener given; with none, on vsock port `protocol::AGENT_PORT`.
-//!   `--exit-on-shutdown` makes `Shutdown` exit the agent instead of
-//!   powering the machine off (for running it on a host).
+//!   [--exit-on-shutdown] [--root DIR]`: serves the protocol
+//!   (crates/protocol) on each listener given; with none, on vsock port
+//!   `protocol::AGENT_PORT`. `--exit-on-shutdown` makes `Shutdown` exit the
+//!   agent instead of powering the machine off, and `--root DIR` makes
+//!   Wake and Quiesce a sandbox (file paths under DIR, no system-wide
+//!   change): both for running it on a host, in tests.
 //! - `tine-agent vsock-echo PORT`: every connection on PORT gets its bytes
 //!   back (the VMM's vsock round-trip test).
 
+mod conns;
+mod quiesce;
 mod serve;
 mod vsock;
+mod wake;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
 
-use serve::OnShutdown;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serve::{OnShutdown, Settings};
 
 const USAGE: &str =
-    "usage: tine-agent serve [--vsock PORT] [--unix PATH] [--tcp ADDR] [--exit-on-shutdown]
+    "usage: tine-agent serve [--vsock PORT] [--unix PATH] [--tcp ADDR] [--exit-on-shutdown] [--root DIR]
        tine-agent vsock-echo PORT";
 
 enum Listen {
@@ -35,6 +43,7 @@ fn main() -> ExitCode {
         Some("serve") => {
             let mut listens = Vec::new();
             let mut on_shutdown = OnShutdown::PowerOff;
+            let mut root = None;
             let mut it = args[2..].iter();
             while let Some(a) = it.next() {
                 if a == "--exit-on-shutdown" {
@@ -51,6 +60,10 @@ fn main() -> ExitCode {
                     },
                     ("--unix", Some(p)) => Listen::Unix(p.clone()),
                     ("--tcp", Some(a)) => Listen::Tcp(a.clone()),
+                    ("--root", Some(d)) => {
+                        root = Some(PathBuf::from(d));
+                        continue;
+                    }
                     _ => {
                         eprintln!("{USAGE}");
                         return ExitCode::from(2);
@@ -61,7 +74,7 @@ fn main() -> ExitCode {
             if listens.is_empty() {
                 listens.push(Listen::Vsock(protocol::AGENT_PORT));
             }
-            serve_all(listens, on_shutdown)
+            serve_all(listens, Arc::new(Settings { on_shutdown, root }))
         }
         Some("vsock-echo") => {
             let Some(port) = args.get(2).and_then(|p| p.parse::<u32>().ok()) else {
@@ -84,15 +97,16 @@ fn main() -> ExitCode {
 }
 
 /// Binds every listener, then serves them all; returns only on failure.
-fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
+fn serve_all(listens: Vec<Listen>, settings: Arc<Settings>) -> ExitCode {
     let mut threads = Vec::new();
     for l in listens {
+        let settings = settings.clone();
         let t = match l {
             Listen::Vsock(port) => match bind_vsock(port) {
                 Ok(lst) => {
                     eprintln!("tine-agent: listening on vsock port {port}");
                     std::thread::spawn(move || {
-                        accept_loop(|| lst.accept(), on_shutdown, format!("vsock port {port}"))
+                        accept_loop(|| lst.accept(), settings, format!("vsock port {port}"))
                     })
                 }
                 Err(e) => return bind_failed(&format!("vsock port {port}"), &e),
@@ -101,7 +115,7 @@ fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
                 Ok(lst) => {
                     eprintln!("tine-agent: listening on {path}");
                     std::thread::spawn(move || {
-                        accept_loop(|| lst.accept().map(|(s, _)| s), on_shutdown, path)
+                        accept_loop(|| lst.accept().map(|(s, _)| s), settings, path)
                     })
                 }
                 Err(e) => return bind_failed(&path, &e),
@@ -110,7 +124,7 @@ fn serve_all(listens: Vec<Listen>, on_shutdown: OnShutdown) -> ExitCode {
                 Ok(lst) => {
                     eprintln!("tine-agent: listening on tcp {addr}");
                     std::thread::spawn(move || {
-                        accept_loop(|| lst.accept().map(|(s, _)| s), on_shutdown, addr)
+                        accept_loop(|| lst.accept().map(|(s, _)| s), settings, addr)
                     })
                 }
                 Err(e) => return bind_failed(&addr, &e),
@@ -159,15 +173,16 @@ fn bind_failed(what: &str, e: &std::io::Error) -> ExitCode {
 /// Accepts connections forever, one thread each.
 fn accept_loop<C: protocol::Connection>(
     mut accept: impl FnMut() -> std::io::Result<C>,
-    on_shutdown: OnShutdown,
+    settings: Arc<Settings>,
     what: String,
 ) {
     loop {
         match accept() {
             Ok(conn) => {
+                let settings = settings.clone();
                 let spawned = std::thread::Builder::new()
                     .name("tine-agent-conn".into())
-                    .spawn(move || serve::handle(conn, on_shutdown));
+                    .spawn(move || serve::handle(conn, &settings));
                 if let Err(e) = spawned {
                     eprintln!("tine-agent: cannot start a connection thread: {e}");
                 }

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use crate::{quiesce, wake};
 use protocol::{
     read_frame, send, write_frame, Connection, ErrorKind, Frame, Hello, Message, ProtocolError,
     Stream, MAX_CHUNK, PROTOCOL_VERSION,
@@ -29,9 +30,18 @@ pub enum OnShutdown {
     Exit,
 }
 
+/// How this agent runs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub on_shutdown: OnShutdown,
+    /// `--root`: Wake's file paths live under this directory and its
+    /// system-wide steps (and Quiesce's freezing) are skipped.
+    pub root: Option<PathBuf>,
+}
+
 /// Serves one connection to its end; errors are logged, never fatal.
-pub fn handle<C: Connection>(mut conn: C, on_shutdown: OnShutdown) {
-    if let Err(e) = serve(&mut conn, on_shutdown) {
+pub fn handle<C: Connection>(mut conn: C, settings: &Settings) {
+    if let Err(e) = serve(&mut conn, settings) {
         match e {
             ProtocolError::Closed => {}
             ProtocolError::Io(e) => eprintln!("tine-agent: connection failed: {e}"),
@@ -58,7 +68,7 @@ fn bad_frame<C: Write>(conn: &mut C, e: ProtocolError) -> Result<(), ProtocolErr
     }
 }
 
-fn serve<C: Connection>(conn: &mut C, on_shutdown: OnShutdown) -> Result<(), ProtocolError> {
+fn serve<C: Connection>(conn: &mut C, settings: &Settings) -> Result<(), ProtocolError> {
     match read_frame(conn) {
         Ok(Frame::Message(Message::Hello(h))) if h.protocol == PROTOCOL_VERSION => send(
             conn,
@@ -121,8 +131,29 @@ fn serve<C: Connection>(conn: &mut C, on_shutdown: OnShutdown) -> Result<(), Pro
             // wait (briefly) for the host to close its end.
             let _ = conn.shutdown(Shutdown::Write);
             wait_for_close(conn, Duration::from_secs(1));
-            shutdown(on_shutdown);
+            shutdown(settings.on_shutdown);
             Ok(())
+        }
+        Message::Quiesce { timeout_ms } => {
+            let report = {
+                let _serial = quiesce::SERIAL
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                quiesce::quiesce(timeout_ms, settings.root.is_some())
+            };
+            send(conn, Message::Quiesced(report))
+        }
+        Message::Wake(w) => {
+            let report = {
+                let _serial = quiesce::SERIAL
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                let ctx = wake::Ctx {
+                    root: settings.root.clone(),
+                };
+                wake::wake(&w, &ctx)
+            };
+            send(conn, Message::Woke(Box::new(report)))
         }
         m => reply_error(
             conn,
@@ -238,6 +269,24 @@ fn exec<C: Connection>(
         // Its own process group, so a timeout or a lost host kills
         // everything it started.
         .process_group(0);
+    if let Some(procs) = quiesce::workload_procs() {
+        // Join the workload cgroup, so a command started while the guest
+        // is quiesced waits for the thaw like everything else.
+        // SAFETY: the closure only calls open/write/close (async-signal
+        // safe) on a path made before the fork; it allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    // Failing leaves it where the agent is: not frozen, but
+                    // running, which beats not running it at all.
+                    let _ = libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                }
+                Ok(())
+            })
+        };
+    }
     if let Some(cwd) = &cwd {
         cmd.current_dir(cwd);
     }
