@@ -9,13 +9,14 @@ use kvm_ioctls::IoEventAddress;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::arch::x86_64::acpi::{self, AcpiError, VirtioMmioSlot};
+use crate::arch::x86_64::acpi::{self, AcpiError, VirtioMmioSlot, VmGenIdSlot};
 use crate::arch::x86_64::{boot, layout};
 use crate::config::{ConfigError, VmConfig};
 use crate::devices::legacy::acpi_pm::{AcpiPmDevice, ACPI_PM_LEN, ACPI_PM_PORT};
 use crate::devices::legacy::i8042::{I8042_LEN, I8042_PORT};
 use crate::devices::legacy::serial::{SerialError, SerialState};
 use crate::devices::legacy::serial::{COM1_LEN, COM1_PORT};
+use crate::devices::legacy::vmgenid::{self, VmGenId, VmGenIdError, VMGENID_ADDR, VMGENID_LEN};
 use crate::devices::legacy::{ConsoleOutput, SerialDevice, I8042};
 use crate::devices::park::{device_park, ParkControl};
 use crate::devices::persist::{DeviceStates, Persist};
@@ -88,6 +89,8 @@ pub enum BuildError {
         #[source]
         source: kvm_ioctls::Error,
     },
+    #[error(transparent)]
+    VmGenId(#[from] VmGenIdError),
 }
 
 /// Builds everything a vm needs, ready for [`Vmm::run`].
@@ -105,7 +108,13 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
     };
 
     let devices = Devices::attach(&vm, &mem, config, None)?;
-    let rsdp = acpi::create_acpi_tables(&mem, config.vcpus, &devices.slots)?;
+    vmgenid::write_new_id(&mem)?;
+    let rsdp = acpi::create_acpi_tables(
+        &mem,
+        config.vcpus,
+        &devices.slots,
+        Some(devices.vmgenid_slot()),
+    )?;
     let cmdline = boot::cmdline(&config.cmdline)?;
     boot::configure_system(&mem, &kernel, &cmdline, initrd, Some(rsdp))?;
 
@@ -129,18 +138,23 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
 /// holds its RAM (a fork's copy-on-write view or a mapped memory file):
 /// a new KVM VM with the saved CPU and VM state, and devices in their
 /// saved state on the host side `config` names (its own disks, tap,
-/// socket and console). Nothing runs yet.
+/// socket and console). A restored snapshot is a new copy of the vm, so
+/// it gets a new generation id ([`Vmm::new_generation`]). Nothing runs yet.
 pub fn restore(
     config: &VmConfig,
     mem: GuestMemoryMmap,
     backing: RamBacking,
     moment: &Moment,
 ) -> Result<Vmm, BuildError> {
-    restore_prepared(config, mem, backing, moment, None)
+    let vmm = restore_prepared(config, mem, backing, moment, None)?;
+    vmm.new_generation()?;
+    Ok(vmm)
 }
 
 /// [`restore`] into a VM and vCPUs made by
-/// [`crate::vstate::prepare_machine`] on `mem`, if given.
+/// [`crate::vstate::prepare_machine`] on `mem`, if given. The generation
+/// id stays as saved (the vm going on in a new process); a new copy (a
+/// fork child, a rollback) calls [`Vmm::new_generation`] before it runs.
 pub fn restore_prepared(
     config: &VmConfig,
     mem: GuestMemoryMmap,
@@ -173,6 +187,20 @@ pub fn restore_prepared(
         devices,
         config.clone(),
     ))
+}
+
+impl Vmm {
+    /// Makes this vm a new generation: writes a fresh random VMGenID into
+    /// guest memory and raises the Generic Event Device's interrupt, so a
+    /// kernel with a VMGenID driver reseeds its RNG. For a vm built by
+    /// [`restore_prepared`] before it runs (the machine state is in KVM
+    /// already, which keeps the interrupt pending until the guest runs).
+    /// Returns the new id.
+    pub fn new_generation(&self) -> Result<[u8; VMGENID_LEN], VmGenIdError> {
+        let id = self.devices.vmgenid.new_generation(&self.mem)?;
+        tracing::debug!(gsi = self.devices.vmgenid.gsi(), "new VMGenID written");
+        Ok(id)
+    }
 }
 
 fn guest_memory(mem_mib: u64) -> Result<GuestMemoryMmap, MemoryError> {
@@ -320,6 +348,9 @@ pub(crate) struct Devices {
     pub park: ParkControl,
     /// Tap fds, kept open across a fork for the parent's continuation.
     pub tap_fds: Vec<i32>,
+    /// The generation id's notify interrupt, on the GSI after the last
+    /// virtio slot's (so it follows from the device layout).
+    pub vmgenid: VmGenId,
 }
 
 impl Devices {
@@ -363,6 +394,8 @@ impl Devices {
                 uds_path: v.uds_path.clone(),
             })?)?;
         }
+        let vmgenid_gsi = layout::VIRTIO_GSI_START + devices.slots.len() as u32;
+        let vmgenid = VmGenId::new(vm, vmgenid_gsi)?;
         let (parker, park) = device_park().map_err(BuildError::EventFd)?;
         devices
             .event_manager
@@ -377,6 +410,15 @@ impl Devices {
             transports: devices.transports,
             park,
             tap_fds,
+            vmgenid,
         })
+    }
+
+    /// Where the DSDT tells the guest to find the generation id.
+    fn vmgenid_slot(&self) -> VmGenIdSlot {
+        VmGenIdSlot {
+            addr: VMGENID_ADDR,
+            gsi: self.vmgenid.gsi(),
+        }
     }
 }

@@ -528,6 +528,11 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         prepared,
     )
     .map_err(|e| format!("cannot restore the vm: {}", chain(&e)))?;
+    if mode != Mode::Continuation {
+        // A new copy of the vm: a new VMGenID, so the guest kernel reseeds.
+        vmm.new_generation()
+            .map_err(|e| format!("cannot write a new generation id: {}", chain(&e)))?;
+    }
     mark("restored");
     let opts = ProcessOptions {
         name: id.name.clone(),

@@ -5,10 +5,12 @@
 //! `_HID "LNRO0005"` (no command-line devices). Tables written here:
 //! RSDP (at [`RSDP_ADDR`], inside the BIOS search area), XSDT, FADT
 //! (HW_REDUCED_ACPI, sleep and reset registers on the ACPI PM device), MADT
-//! and DSDT (virtio-mmio devices, COM1, i8042, `\_S5_`).
+//! and DSDT (virtio-mmio devices, COM1, i8042, `\_S5_`, and the VMGenID
+//! device with the Generic Event Device that announces a new id).
 
 use acpi_tables::aml::{
-    self, Device, EISAName, Interrupt, Memory32Fixed, Name, Package, ResourceTemplate, Scope, IO,
+    self, Arg, Device, EISAName, Equal, If, Interrupt, Memory32Fixed, Method, Name, Notify,
+    Package, Path, ResourceTemplate, Scope, IO,
 };
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
@@ -23,12 +25,13 @@ use crate::devices::legacy::acpi_pm::{
     ACPI_PM_PORT, RESET_OFFSET, RESET_VALUE, S5_SLEEP_TYPE, SLEEP_CONTROL_OFFSET,
     SLEEP_STATUS_OFFSET,
 };
+use crate::devices::legacy::vmgenid::VMGENID_ADDR;
 use crate::memory::GuestMemoryMmap;
 
 /// Guest-physical address of the RSDP; the other tables follow it.
 pub const RSDP_ADDR: u64 = 0x000E_0000;
-/// End (exclusive) of the area the tables may use.
-pub const ACPI_AREA_END: u64 = 0x0010_0000;
+/// End (exclusive) of the area the tables may use: the VMGenID page follows.
+pub const ACPI_AREA_END: u64 = VMGENID_ADDR;
 /// Guest-physical address of the IOAPIC.
 pub const IOAPIC_ADDR: u32 = 0xFEC0_0000;
 /// Number of IOAPIC pins (KVM's in-kernel IOAPIC), i.e. the usable GSIs.
@@ -69,15 +72,29 @@ pub struct VirtioMmioSlot {
     pub gsi: u32,
 }
 
+/// The VMGenID device to describe in the DSDT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmGenIdSlot {
+    /// Guest-physical address of the 16-byte generation id (below 4 GiB,
+    /// outside RAM and the tables).
+    pub addr: u64,
+    /// IOAPIC pin (GSI) of the Generic Event Device's edge-triggered
+    /// interrupt, raised after a new id is written.
+    pub gsi: u32,
+}
+
 /// Errors while writing ACPI tables.
 #[derive(Debug, thiserror::Error)]
 pub enum AcpiError {
     /// A virtio-mmio window is not a non-empty range below 4 GiB.
     #[error("virtio-mmio window {base:#x}+{len:#x} is not a non-empty range below 4 GiB")]
     MmioWindow { base: u64, len: u64 },
-    /// A virtio-mmio GSI is past the IOAPIC, reserved for a legacy device, or used twice.
-    #[error("virtio-mmio GSI {gsi} is out of range, reserved or used twice")]
+    /// A device GSI is past the IOAPIC, reserved for a legacy device, or used twice.
+    #[error("device GSI {gsi} is out of range, reserved or used twice")]
     Gsi { gsi: u32 },
+    /// The generation id is not inside the reserved page after the tables.
+    #[error("VMGenID address {0:#x} is not in the reserved page at {VMGENID_ADDR:#x}")]
+    VmGenIdAddr(u64),
     /// The vCPU count is zero or above what the MADT can describe.
     #[error("vCPU count {0} is not in 1..={MAX_VCPUS}")]
     VcpuCount(u8),
@@ -99,13 +116,14 @@ pub fn create_acpi_tables(
     mem: &GuestMemoryMmap,
     vcpus: u8,
     virtio: &[VirtioMmioSlot],
+    vmgenid: Option<VmGenIdSlot>,
 ) -> Result<GuestAddress, AcpiError> {
     if vcpus == 0 || vcpus > MAX_VCPUS {
         return Err(AcpiError::VcpuCount(vcpus));
     }
-    validate_slots(virtio)?;
+    validate_slots(virtio, vmgenid)?;
 
-    let dsdt = dsdt(virtio);
+    let dsdt = dsdt(virtio, vmgenid);
     let madt = madt(vcpus);
 
     let xsdt_addr = align(RSDP_ADDR + Rsdp::len() as u64);
@@ -136,8 +154,23 @@ pub fn create_acpi_tables(
     Ok(GuestAddress(RSDP_ADDR))
 }
 
-fn validate_slots(virtio: &[VirtioMmioSlot]) -> Result<(), AcpiError> {
+fn validate_slots(
+    virtio: &[VirtioMmioSlot],
+    vmgenid: Option<VmGenIdSlot>,
+) -> Result<(), AcpiError> {
     const RESERVED_GSIS: [u32; 4] = [0, I8042_IRQ, PIT_IOAPIC_PIN, COM1_IRQ];
+    if let Some(g) = vmgenid {
+        // The id must sit in the page the tables leave free (not RAM in
+        // the e820 map), 8-byte aligned as the spec asks.
+        let page = VMGENID_ADDR..=VMGENID_ADDR + 0x1000 - 16;
+        if !page.contains(&g.addr) || g.addr % 8 != 0 {
+            return Err(AcpiError::VmGenIdAddr(g.addr));
+        }
+        let taken = virtio.iter().any(|s| s.gsi == g.gsi);
+        if g.gsi >= IOAPIC_PINS || RESERVED_GSIS.contains(&g.gsi) || taken {
+            return Err(AcpiError::Gsi { gsi: g.gsi });
+        }
+    }
     for (i, slot) in virtio.iter().enumerate() {
         let fits = slot.len > 0
             && slot.len <= u64::from(u32::MAX)
@@ -230,7 +263,42 @@ fn edge_irq(gsi: u32) -> Interrupt {
     Interrupt::new(true, true, false, false, gsi)
 }
 
-fn dsdt(virtio: &[VirtioMmioSlot]) -> Vec<u8> {
+/// The VMGenID device (`\_SB_.VGEN`) and the Generic Event Device whose
+/// interrupt makes the guest re-read the id: its `_EVT` method gets the
+/// GSI that fired and sends `Notify(VGEN, 0x80)`, which the Linux driver
+/// takes as "read the id again and reseed".
+fn vmgenid_devices(g: VmGenIdSlot, sb: &mut Vec<u8>) {
+    // Validated by `validate_slots`: below 4 GiB.
+    let (low, high) = (g.addr as u32, (g.addr >> 32) as u32);
+    Device::new(
+        "VGEN".into(),
+        vec![
+            &Name::new("_HID".into(), &"QEMUVGID"),
+            &Name::new("_CID".into(), &"VM_GEN_COUNTER"),
+            &Name::new("_DDN".into(), &"VM_Gen_Counter"),
+            &Name::new("ADDR".into(), &Package::new(vec![&low, &high])),
+        ],
+    )
+    .to_aml_bytes(sb);
+
+    let irq = edge_irq(g.gsi);
+    let vgen = Path::new("\\_SB_.VGEN");
+    let notify = Notify::new(&vgen, &0x80u8);
+    let is_ours = Equal::new(&Arg(0), &g.gsi);
+    let on_ours = If::new(&is_ours, vec![&notify]);
+    Device::new(
+        "GED_".into(),
+        vec![
+            &Name::new("_HID".into(), &"ACPI0013"),
+            &Name::new("_UID".into(), &aml::ZERO),
+            &Name::new("_CRS".into(), &ResourceTemplate::new(vec![&irq])),
+            &Method::new("_EVT".into(), 1, true, vec![&on_ours]),
+        ],
+    )
+    .to_aml_bytes(sb);
+}
+
+fn dsdt(virtio: &[VirtioMmioSlot], vmgenid: Option<VmGenIdSlot>) -> Vec<u8> {
     let mut sb = Vec::new();
     for (i, slot) in virtio.iter().enumerate() {
         // Validated by `validate_slots`: both fit in 32 bits.
@@ -282,6 +350,10 @@ fn dsdt(virtio: &[VirtioMmioSlot]) -> Vec<u8> {
     )
     .to_aml_bytes(&mut sb);
 
+    if let Some(g) = vmgenid {
+        vmgenid_devices(g, &mut sb);
+    }
+
     // \_S5_: SLP_TYPa, SLP_TYPb, reserved, reserved.
     let s5 = Name::new(
         "_S5_".into(),
@@ -319,6 +391,11 @@ mod tests {
             gsi: 7,
         },
     ];
+
+    const VGEN: VmGenIdSlot = VmGenIdSlot {
+        addr: VMGENID_ADDR,
+        gsi: 8,
+    };
 
     fn guest_mem() -> GuestMemoryMmap {
         create_guest_memory(&[(GuestAddress(0), 2 << 20)]).expect("guest memory")
@@ -382,7 +459,7 @@ mod tests {
     #[test]
     fn test_acpi_tables_parse_back() {
         let mem = guest_mem();
-        let rsdp = create_acpi_tables(&mem, 2, &SLOTS).expect("tables");
+        let rsdp = create_acpi_tables(&mem, 2, &SLOTS, Some(VGEN)).expect("tables");
         assert_eq!(rsdp, GuestAddress(RSDP_ADDR));
         let t = tables(&mem, rsdp);
 
@@ -417,13 +494,37 @@ mod tests {
         let dsdt = find(&t, "DSDT");
         let hits = dsdt.windows(8).filter(|w| w == b"LNRO0005").count();
         assert_eq!(hits, SLOTS.len());
+        let count = |needle: &[u8]| dsdt.windows(needle.len()).filter(|w| *w == needle).count();
+        assert_eq!(count(b"QEMUVGID"), 1);
+        assert_eq!(count(b"VM_GEN_COUNTER"), 1);
+        assert_eq!(count(b"ACPI0013"), 1);
+        // ADDR: Package (2) { DWord low, Zero high }.
+        let mut addr = b"ADDR\x12".to_vec();
+        addr.extend_from_slice(&[8, 2, 0x0c]);
+        addr.extend_from_slice(&(VMGENID_ADDR as u32).to_le_bytes());
+        addr.push(0x00);
+        assert_eq!(count(&addr), 1, "ADDR package");
+        // The tables end before the id's page.
+        let dsdt_addr = u64_at(find(&t, "FACP"), 140);
+        assert!(dsdt_addr + dsdt.len() as u64 <= VMGENID_ADDR);
+
+        // Without the device, none of it.
+        let mem = guest_mem();
+        let t = tables(
+            &mem,
+            create_acpi_tables(&mem, 1, &SLOTS, None).expect("tables"),
+        );
+        let dsdt = find(&t, "DSDT");
+        assert!(!dsdt
+            .windows(8)
+            .any(|w| w == b"QEMUVGID" || w == b"ACPI0013"));
     }
 
     #[test]
     fn test_acpi_tables_bad_input_rejected() {
         let mem = guest_mem();
         assert!(matches!(
-            create_acpi_tables(&mem, 0, &[]),
+            create_acpi_tables(&mem, 0, &[], None),
             Err(AcpiError::VcpuCount(0))
         ));
         let high = VirtioMmioSlot {
@@ -432,7 +533,7 @@ mod tests {
             gsi: 5,
         };
         assert!(matches!(
-            create_acpi_tables(&mem, 1, &[high]),
+            create_acpi_tables(&mem, 1, &[high], None),
             Err(AcpiError::MmioWindow { .. })
         ));
         for gsi in [COM1_IRQ, PIT_IOAPIC_PIN, IOAPIC_PINS] {
@@ -442,7 +543,7 @@ mod tests {
                 gsi,
             };
             assert!(matches!(
-                create_acpi_tables(&mem, 1, &[slot]),
+                create_acpi_tables(&mem, 1, &[slot], None),
                 Err(AcpiError::Gsi { .. })
             ));
         }
@@ -454,12 +555,27 @@ mod tests {
             },
         ];
         assert!(matches!(
-            create_acpi_tables(&mem, 1, &dup),
+            create_acpi_tables(&mem, 1, &dup, None),
             Err(AcpiError::Gsi { .. })
         ));
+        // The VMGenID GSI must be free and valid, its address in its page.
+        for gsi in [SLOTS[1].gsi, COM1_IRQ, IOAPIC_PINS] {
+            let g = VmGenIdSlot { gsi, ..VGEN };
+            assert!(matches!(
+                create_acpi_tables(&mem, 1, &SLOTS, Some(g)),
+                Err(AcpiError::Gsi { .. })
+            ));
+        }
+        for addr in [RSDP_ADDR, VMGENID_ADDR + 4, VMGENID_ADDR + 0xff8, 1 << 32] {
+            let g = VmGenIdSlot { addr, ..VGEN };
+            assert!(matches!(
+                create_acpi_tables(&mem, 1, &SLOTS, Some(g)),
+                Err(AcpiError::VmGenIdAddr(a)) if a == addr
+            ));
+        }
         let small = create_guest_memory(&[(GuestAddress(0), 0x80000)]).expect("guest memory");
         assert!(matches!(
-            create_acpi_tables(&small, 1, &[]),
+            create_acpi_tables(&small, 1, &[], None),
             Err(AcpiError::Write { .. })
         ));
     }
@@ -495,7 +611,7 @@ mod tests {
             return;
         }
         let mem = guest_mem();
-        let rsdp = create_acpi_tables(&mem, 4, &SLOTS).expect("tables");
+        let rsdp = create_acpi_tables(&mem, 4, &SLOTS, Some(VGEN)).expect("tables");
         let t = tables(&mem, rsdp);
         let dir = std::env::temp_dir().join(format!("tine-acpi-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -507,6 +623,19 @@ mod tests {
         }
         assert!(dsl.contains("_S5_"), "{dsl}");
         assert!(dsl.contains("PNP0501") && dsl.contains("PNP0303"), "{dsl}");
+        assert!(dsl.contains("Device (VGEN)"), "{dsl}");
+        assert!(
+            dsl.contains("\"QEMUVGID\"") && dsl.contains("\"VM_GEN_COUNTER\""),
+            "{dsl}"
+        );
+        assert!(dsl.contains("0x000EF000"), "{dsl}");
+        assert!(
+            dsl.contains("Device (GED)") && dsl.contains("\"ACPI0013\""),
+            "{dsl}"
+        );
+        assert!(dsl.contains("Method (_EVT, 1, Serialized)"), "{dsl}");
+        assert!(dsl.contains("If ((Arg0 == 0x08))"), "{dsl}");
+        assert!(dsl.contains("Notify (\\_SB.VGEN, 0x80)"), "{dsl}");
         let facp = disassemble(&dir, "facp", find(&t, "FACP"));
         assert!(facp.contains("Hardware Reduced (V5) : 1"), "{facp}");
         let apic = disassemble(&dir, "apic", find(&t, "APIC"));
