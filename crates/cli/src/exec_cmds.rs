@@ -47,7 +47,7 @@ impl ExecArgs {
 }
 
 /// The running vm `name` with an agent, or a clear error.
-fn agent_vm(home: &Path, name: &str) -> anyhow::Result<VmDir> {
+pub fn agent_vm(home: &Path, name: &str) -> anyhow::Result<VmDir> {
     let vm = VmDir::new(home, name);
     let r = vm.read_record()?;
     match vm.state(&r) {

@@ -13,6 +13,8 @@ use vmm::api::{self, Identity, NetIdentity, Reply, Request};
 
 use crate::state::{self, VmDir, VmRecord, VmState};
 use crate::vm_cmds::tap_name;
+use crate::{net, wake};
+use protocol::wake::Role;
 
 /// The MAC `tine run --net` gives a vm.
 pub const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
@@ -87,12 +89,17 @@ fn moved(vm: &VmDir, r: &mut VmRecord, pid: u32) -> anyhow::Result<()> {
     vm.write_record(r)
 }
 
-/// `tine fork NAME -n K [--names a,b]`.
+/// `tine fork NAME -n K [--names a,b] [--contract FILE]`.
+///
+/// In order: everything that can fail on bad input (names, contract,
+/// rotate providers, addresses, isolation rules) before the vm is touched;
+/// then quiesce, fork, and wake the parent and every child.
 pub fn fork(
     home: &Path,
     name: &str,
     count: Option<usize>,
     names: Option<String>,
+    contract_file: Option<&Path>,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
     let (vm, mut r) = running(home, name)?;
@@ -113,6 +120,17 @@ pub fn fork(
     };
     anyhow::ensure!(!names.is_empty(), "a fork needs at least one child");
     anyhow::ensure!(names.len() <= 1000, "at most 1000 children per fork");
+    let contract = effective_contract(&vm, contract_file)?;
+    let keeper = &contract.network.keep_connections;
+    anyhow::ensure!(
+        keeper == "parent" || keeper == "none" || names.contains(keeper),
+        "the contract's network.keep_connections = {keeper:?} is neither `parent`, `none` nor a child of this fork ({})",
+        names.join(", ")
+    );
+    let egress = match contract.network.children_egress {
+        contract::Egress::Allow => None,
+        contract::Egress::Deny => Some(contract.allow_rules()?),
+    };
     let mut dirs = Vec::with_capacity(names.len());
     for n in &names {
         state::validate_name(n)?;
@@ -122,22 +140,65 @@ pub fn fork(
         }
         dirs.push(d);
     }
-    for d in &dirs {
-        let _ = std::fs::remove_dir_all(&d.dir);
-        std::fs::create_dir_all(&d.dir)
-            .with_context(|| format!("cannot create {}", d.dir.display()))?;
-    }
+    let rotated = names
+        .iter()
+        .map(|n| wake::rotate_values(&contract, n, name))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let round = wake::Round::new(&contract)?;
+
+    // From here on, undo what was made if the fork does not happen.
+    let mut made = Made::default();
+    let res = (|| -> anyhow::Result<Vec<VmRecord>> {
+        let mut recs = Vec::with_capacity(dirs.len());
+        for d in &dirs {
+            let _ = std::fs::remove_dir_all(&d.dir);
+            std::fs::create_dir_all(&d.dir)
+                .with_context(|| format!("cannot create {}", d.dir.display()))?;
+            made.dirs.push(d.dir.clone());
+            let lease = match r.lease {
+                Some(parent) => {
+                    let l = net::lease_in_tree(home, &parent, &d.name)?;
+                    made.leases.push(l);
+                    let tap = tap_name(&d.name);
+                    net::isolate(&tap, &l, egress.as_deref())?;
+                    made.taps.push(tap);
+                    Some(l)
+                }
+                None => None,
+            };
+            d.write_contract(&contract)?;
+            recs.push(VmRecord {
+                name: d.name.clone(),
+                parent: Some(name.to_string()),
+                mac: r.mac.map(|_| mac_for(&d.name)),
+                lease,
+                created_ms: state::now_ms(),
+                ..r.clone()
+            });
+        }
+        Ok(recs)
+    })();
+    let mut recs = match res {
+        Ok(recs) => recs,
+        Err(e) => {
+            made.undo(home);
+            return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
+        }
+    };
     let children: Vec<Identity> = dirs
         .iter()
-        .map(|d| {
-            let child = VmRecord {
-                mac: r.mac.map(|_| mac_for(&d.name)),
-                ..r.clone()
-            };
-            identity(d, &child)
-        })
+        .zip(&recs)
+        .map(|(d, c)| identity(d, c))
         .collect();
+
     let t0 = Instant::now();
+    let quiesced = match wake::quiesce(&vm, &r) {
+        Ok(q) => q,
+        Err(e) => {
+            made.undo(home);
+            return Err(e);
+        }
+    };
     let res = call(
         &vm.api_socket(),
         &Request::Fork {
@@ -148,38 +209,139 @@ pub fn fork(
     let call = match res {
         Ok(c) => c,
         Err(e) => {
-            for d in &dirs {
-                let _ = std::fs::remove_dir_all(&d.dir);
+            made.undo(home);
+            // The parent was quiesced: let it go on as it was.
+            if quiesced.is_some() {
+                let w = round.message(Role::Parent, &r, &[])?;
+                let _ = wake::wake_one(&vm.vsock(), name, w);
             }
             return Err(e.context(format!("cannot fork {name:?}")));
         }
     };
-    let reply = &call.reply.clone();
-    let created = state::now_ms();
-    for (d, (&pid, id)) in dirs.iter().zip(reply.children.iter().zip(&children)) {
-        let rec = VmRecord {
-            name: d.name.clone(),
-            pid,
-            pid_start: state::process_start(pid).unwrap_or(0),
-            created_ms: created,
-            parent: Some(name.to_string()),
-            mac: id.nets.first().map(|n| n.mac),
-            ..r.clone()
-        };
-        d.write_record(&rec)?;
+    let reply = call.reply.clone();
+    for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
+        rec.pid = pid;
+        rec.pid_start = state::process_start(pid).unwrap_or(0);
+        d.write_record(rec)?;
     }
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }
     drop(call);
-    print_reply(json, reply, t0, || {
-        format!(
-            "{name}: forked into {} in {:.1} ms (guest paused {:.2} ms)",
+    let forked_ms = t0.elapsed().as_secs_f64() * 1000.0;
+
+    // Wake-up: the parent and every child, at once.
+    let mut problems = Vec::new();
+    let woken = if quiesced.is_some() {
+        let mut copies = vec![(vm.clone(), round.message(Role::Parent, &r, &[])?)];
+        for ((d, rec), rot) in dirs.iter().zip(&recs).zip(&rotated) {
+            if let Some(l) = &rec.lease {
+                if let Err(e) = net::configure_tap(&tap_name(&d.name), l) {
+                    problems.push(format!("{}: host network: {e:#}", d.name));
+                }
+            }
+            copies.push((d.clone(), round.message(Role::Child, rec, rot)?));
+        }
+        wake::wake_all(copies)
+    } else {
+        Vec::new()
+    };
+    let ready_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    for w in &woken {
+        problems.extend(w.failures());
+        if !w.ready() && w.role == Role::Child {
+            if let Some((d, rec)) = dirs.iter().zip(&recs).find(|(d, _)| d.name == w.name) {
+                fail_closed(d, rec, w.error.as_deref().unwrap_or("wake failed"));
+            }
+        }
+    }
+    let wake_ms = woken.iter().map(|w| w.wake_ms).fold(0.0f64, f64::max);
+    if json {
+        let mut v = serde_json::to_value(&reply)?;
+        v["total_ms"] = serde_json::json!(ready_ms);
+        v["forked_ms"] = serde_json::json!(forked_ms);
+        v["wake_ms"] = serde_json::json!(wake_ms);
+        v["quiesce"] = serde_json::to_value(&quiesced)?;
+        v["names"] = serde_json::json!(names);
+        v["wake"] = serde_json::to_value(&woken)?;
+        v["problems"] = serde_json::json!(problems);
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        let how = if quiesced.is_some() {
+            format!("; woken in {wake_ms:.1} ms")
+        } else {
+            "; no agent: children are exact copies".into()
+        };
+        println!(
+            "{name}: forked into {} in {ready_ms:.1} ms (guest paused {:.2} ms{how})",
             names.join(", "),
-            reply.all_children_ms.unwrap_or_default(),
-            reply.pause_ms.unwrap_or_default()
-        )
+            reply.pause_ms.unwrap_or_default(),
+        );
+    }
+    report_problems(&problems)
+}
+
+/// Prints what went wrong in a wake; non-zero exit when anything did.
+fn report_problems(problems: &[String]) -> anyhow::Result<ExitCode> {
+    for p in problems {
+        eprintln!("tine: {p}");
+    }
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("tine: {} wake step(s) failed (see above)", problems.len());
+        ExitCode::FAILURE
     })
+}
+
+/// A copy whose randomness was not renewed must not run on: it is killed
+/// and its record says why (`tine ls` shows it stopped).
+fn fail_closed(d: &VmDir, rec: &VmRecord, why: &str) {
+    let _ = crate::vm_cmds::kill_quietly(rec);
+    let exit = state::ExitRecord {
+        reason: format!("killed: {why}"),
+        ended_ms: state::now_ms(),
+    };
+    if let Ok(bytes) = serde_json::to_vec_pretty(&exit) {
+        let _ = state::write_atomic(&d.exit_path(), &bytes);
+    }
+}
+
+/// The vm's contract, or `file`'s over it (secrets merge).
+pub fn effective_contract(vm: &VmDir, file: Option<&Path>) -> anyhow::Result<contract::Contract> {
+    let own = vm.read_contract()?;
+    match file {
+        None => Ok(own),
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read the contract {}", f.display()))?;
+            let over =
+                contract::Contract::parse(&text).with_context(|| format!("in {}", f.display()))?;
+            Ok(own.overridden_by(&over))
+        }
+    }
+}
+
+/// What a fork made before the VMM was asked, to undo on failure.
+#[derive(Default)]
+struct Made {
+    dirs: Vec<PathBuf>,
+    leases: Vec<net::Lease>,
+    taps: Vec<String>,
+}
+
+impl Made {
+    fn undo(&self, home: &Path) {
+        for t in &self.taps {
+            net::forget(t);
+        }
+        for l in &self.leases {
+            net::release(home, l);
+        }
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
 }
 
 /// `NAME-1`, `NAME-2`, ... skipping names in use.
@@ -236,8 +398,11 @@ pub fn checkpoint(
             bail!("vm {name:?} has a checkpoint {tag:?}; choose another --tag");
         }
     }
+    let contract = vm.read_contract()?;
+    let round = wake::Round::new(&contract)?;
     let t0 = Instant::now();
-    let call = call(
+    let quiesced = wake::quiesce(&vm, &r)?;
+    let res = call(
         &vm.api_socket(),
         &Request::Checkpoint {
             tag: tag.clone(),
@@ -245,7 +410,9 @@ pub fn checkpoint(
             layers_dir: state::layers_dir(home),
         },
     )
-    .with_context(|| format!("cannot checkpoint {name:?}"))?;
+    .with_context(|| format!("cannot checkpoint {name:?}"));
+    let woken = wake_parent(&vm, &r, &round, quiesced.is_some())?;
+    let call = res?;
     let reply = &call.reply.clone();
     if let Some(pid) = reply.template_pid {
         let rec = CheckpointRecord {
@@ -265,7 +432,22 @@ pub fn checkpoint(
             "{name}: checkpoint {tag} (guest paused {:.2} ms)",
             reply.pause_ms.unwrap_or_default()
         )
-    })
+    })?;
+    report_problems(&woken.map(|w| w.failures()).unwrap_or_default())
+}
+
+/// After a moment was taken of a quiesced vm: the vm itself goes on.
+fn wake_parent(
+    vm: &VmDir,
+    r: &VmRecord,
+    round: &wake::Round,
+    quiesced: bool,
+) -> anyhow::Result<Option<wake::Woken>> {
+    if !quiesced {
+        return Ok(None);
+    }
+    let w = round.message(Role::Parent, r, &[])?;
+    Ok(Some(wake::wake_one(&vm.vsock(), &vm.name, w)))
 }
 
 fn read_checkpoint(path: &Path) -> anyhow::Result<CheckpointRecord> {
@@ -302,12 +484,24 @@ pub fn rollback(home: &Path, name: &str, tag: &str, json: bool) -> anyhow::Resul
         moved(&vm, &mut r, pid)?;
     }
     drop(call);
+    // The vm is back at a quiesced moment with stale time and connections.
+    let mut problems = Vec::new();
+    if r.agent {
+        let contract = vm.read_contract()?;
+        let w = wake::Round::new(&contract)?.message(Role::Rollback, &r, &[])?;
+        let woken = wake::wake_one(&vm.vsock(), name, w);
+        problems = woken.failures();
+        if !woken.ready() {
+            fail_closed(&vm, &r, woken.error.as_deref().unwrap_or("wake failed"));
+        }
+    }
     print_reply(json, reply, t0, || {
         format!(
             "{name}: rolled back to {tag} in {:.1} ms",
             t0.elapsed().as_secs_f64() * 1000.0
         )
-    })
+    })?;
+    report_problems(&problems)
 }
 
 /// `tine checkpoints NAME`: the live checkpoints of a vm.
@@ -363,15 +557,21 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
             dir.display()
         );
     }
+    let contract = vm.read_contract()?;
+    let round = wake::Round::new(&contract)?;
     let t0 = Instant::now();
-    let call = call(
+    let quiesced = wake::quiesce(&vm, &r)?;
+    let res = call(
         &vm.api_socket(),
         &Request::Snapshot {
             dir: dir.clone(),
             layers_dir: state::layers_dir(home),
+            contract: Some(contract.to_toml()),
         },
     )
-    .with_context(|| format!("cannot snapshot {name:?}"))?;
+    .with_context(|| format!("cannot snapshot {name:?}"));
+    let woken = wake_parent(&vm, &r, &round, quiesced.is_some())?;
+    let call = res?;
     let reply = &call.reply.clone();
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
@@ -385,5 +585,6 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
             reply.snapshot_ms.unwrap_or_default(),
             reply.pause_ms.unwrap_or_default()
         )
-    })
+    })?;
+    report_problems(&woken.map(|w| w.failures()).unwrap_or_default())
 }

@@ -1,15 +1,18 @@
 //! `tine`: the command line. Each verb is a thin layer over the library crates.
 
 mod agent_client;
+mod contract_cmds;
 mod exec_cmds;
 mod fork_cmds;
 mod image_cmd;
 mod machine;
+mod net;
 mod routing;
 mod size;
 mod state;
 mod vm_cmds;
 mod vmm_cmd;
+mod wake;
 
 use std::process::ExitCode;
 
@@ -76,7 +79,11 @@ pub enum Command {
         /// Children's names, comma-separated.
         #[arg(long)]
         names: Option<String>,
-        /// Machine-readable output (pids and timings).
+        /// A fork contract (TOML) over the vm's own for this fork: how the
+        /// children wake (randomness, clock, connections, egress, secrets).
+        #[arg(long)]
+        contract: Option<std::path::PathBuf>,
+        /// Machine-readable output (pids, timings, each child's wake steps).
         #[arg(long)]
         json: bool,
     },
@@ -109,6 +116,13 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A vm's fork contract: how its copies wake (randomness, clock,
+    /// connections, egress, secrets, hooks).
+    #[command(subcommand)]
+    Contract(contract_cmds::ContractCommand),
+    /// Secrets in a vm, and what a fork does to them (keep, revoke, rotate).
+    #[command(subcommand)]
+    Secret(contract_cmds::SecretCommand),
     /// Run one vm in the foreground: this process is its VMM.
     Vmm(Box<vmm_cmd::VmmArgs>),
     /// Guest images.
@@ -194,8 +208,13 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             name,
             count,
             names,
+            contract,
             json,
-        } => home().and_then(|h| fork_cmds::fork(&h, &name, count, names, json)),
+        } => {
+            home().and_then(|h| fork_cmds::fork(&h, &name, count, names, contract.as_deref(), json))
+        }
+        Command::Contract(cmd) => home().and_then(|h| contract_cmds::contract(&h, cmd)),
+        Command::Secret(cmd) => home().and_then(|h| contract_cmds::secret(&h, cmd)),
         Command::Checkpoint { name, tag, json } => {
             home().and_then(|h| fork_cmds::checkpoint(&h, &name, tag, json))
         }

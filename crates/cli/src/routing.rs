@@ -51,6 +51,20 @@ pub fn through_machine(
         {
             Some(forward(false))
         }
+        Command::Contract(
+            crate::contract_cmds::ContractCommand::Show { name }
+            | crate::contract_cmds::ContractCommand::Set { name, .. },
+        )
+        | Command::Secret(crate::contract_cmds::SecretCommand::Ls { name })
+            if remote_vm(name) =>
+        {
+            Some(forward(false))
+        }
+        Command::Secret(crate::contract_cmds::SecretCommand::Add { name, .. })
+            if remote_vm(name) =>
+        {
+            Some(forward(true))
+        }
         Command::Cp { src, dst } => {
             let vm = [src, dst]
                 .iter()

@@ -40,6 +40,9 @@ pub struct VmRecord {
     /// Whether it has a vsock device (`vsock.sock`).
     #[serde(default)]
     pub vsock: bool,
+    /// Its address in its tree's network (when it has a tap).
+    #[serde(default)]
+    pub lease: Option<crate::net::Lease>,
 }
 
 /// Written by the VMM when it ends.
@@ -146,6 +149,25 @@ impl VmDir {
     }
     pub fn exists(&self) -> bool {
         self.record_path().is_file()
+    }
+    /// The vm's fork contract (TOML); absent means the default contract.
+    pub fn contract_path(&self) -> PathBuf {
+        self.dir.join("contract.toml")
+    }
+
+    /// The vm's effective contract.
+    pub fn read_contract(&self) -> anyhow::Result<contract::Contract> {
+        let p = self.contract_path();
+        match std::fs::read_to_string(&p) {
+            Ok(text) => contract::Contract::parse(&text)
+                .with_context(|| format!("the contract of vm {:?} ({})", self.name, p.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Default::default()),
+            Err(e) => Err(anyhow::anyhow!("cannot read {}: {e}", p.display())),
+        }
+    }
+
+    pub fn write_contract(&self, c: &contract::Contract) -> anyhow::Result<()> {
+        write_atomic(&self.contract_path(), c.to_toml().as_bytes())
     }
 
     pub fn read_record(&self) -> anyhow::Result<VmRecord> {

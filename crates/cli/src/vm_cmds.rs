@@ -14,6 +14,8 @@ use serde::Serialize;
 
 use crate::agent_client;
 use crate::state::{self, VmDir, VmRecord, VmState};
+use contract::Contract;
+use protocol::wake::Role;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -36,7 +38,8 @@ pub struct RunArgs {
     /// Raw disk image as virtio-blk (repeatable).
     #[arg(long = "disk")]
     disks: Vec<PathBuf>,
-    /// Give the vm a tap device (`tt-NAME`) as virtio-net.
+    /// Give the vm a tap device (`tt-NAME`) as virtio-net, with an address
+    /// from a new network tree (10.213.T.0/24; the host is .1).
     #[arg(long)]
     net: bool,
     /// Do not wait for a guest agent (micro guests have none).
@@ -50,6 +53,10 @@ pub struct RunArgs {
     /// and --disk come from the snapshot.
     #[arg(long, conflicts_with_all = ["kernel", "disks"])]
     from: Option<PathBuf>,
+    /// The vm's fork contract (TOML): how its copies wake. With --from,
+    /// it goes over the one in the snapshot's manifest.
+    #[arg(long)]
+    contract: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -100,11 +107,46 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     for base in &args.disks {
         anyhow::ensure!(base.is_file(), "disk image {} not found", base.display());
     }
+    let contract = {
+        let own = match manifest.as_ref().and_then(|m| m.contract.as_deref()) {
+            Some(text) => Contract::parse(text).context("the snapshot's contract")?,
+            None => Contract::default(),
+        };
+        match &args.contract {
+            Some(f) => {
+                let text = std::fs::read_to_string(f)
+                    .with_context(|| format!("cannot read the contract {}", f.display()))?;
+                own.overridden_by(
+                    &Contract::parse(&text).with_context(|| format!("in {}", f.display()))?,
+                )
+            }
+            None => own,
+        }
+    };
     // Leftovers of a vm that never wrote its record.
     let _ = std::fs::remove_dir_all(&vm.dir);
     std::fs::create_dir_all(&vm.dir)
         .with_context(|| format!("cannot create {}", vm.dir.display()))?;
 
+    let lease = if args.net {
+        let tap = tap_name(&args.name);
+        let l = crate::net::lease_new_tree(home, &args.name)?;
+        if let Err(e) = crate::net::isolate(&tap, &l, None) {
+            crate::net::release(home, &l);
+            let _ = std::fs::remove_dir_all(&vm.dir);
+            return Err(e);
+        }
+        Some(l)
+    } else {
+        None
+    };
+    let undo_net = |l: &Option<crate::net::Lease>| {
+        if let Some(l) = l {
+            crate::net::forget(&tap_name(&args.name));
+            crate::net::release(home, l);
+        }
+    };
+    vm.write_contract(&contract)?;
     let made = match &manifest {
         Some(m) => restore_command(&vm, &args, m),
         None => vmm_command(&vm, &args, micro),
@@ -113,6 +155,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         Ok(cmd) => cmd,
         Err(e) => {
             // Nothing ran: leave no state behind.
+            undo_net(&lease);
             let _ = std::fs::remove_dir_all(&vm.dir);
             return Err(e);
         }
@@ -140,6 +183,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         disks: ndisks,
         mac: args.net.then_some(crate::fork_cmds::DEFAULT_MAC),
         vsock,
+        lease,
     };
     vm.write_record(&record)?;
 
@@ -184,6 +228,43 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         std::thread::sleep(Duration::from_millis(if agent { 20 } else { 1 }));
     }
+    if let Some(l) = &lease {
+        crate::net::configure_tap(&tap_name(&args.name), l)?;
+    }
+    // Wake-up: a booted vm takes its identity; a restored one becomes a
+    // new copy. It is ready only once that is done.
+    let mut problems = Vec::new();
+    if agent {
+        let role = if manifest.is_some() {
+            Role::Restored
+        } else {
+            Role::Boot
+        };
+        let mut rec = record.clone();
+        rec.parent = manifest.as_ref().map(|m| m.name.clone());
+        let w = match role {
+            Role::Restored => crate::wake::rotate_values(
+                &contract,
+                &args.name,
+                rec.parent.as_deref().unwrap_or(""),
+            ),
+            _ => Ok(Vec::new()),
+        }
+        .and_then(|rot| crate::wake::Round::new(&contract)?.message(role, &rec, &rot));
+        let w = match w {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = kill_quietly(&record);
+                return Err(e.context(format!("vm {:?} was stopped", args.name)));
+            }
+        };
+        let woken = crate::wake::wake_one(&vm.vsock(), &args.name, w);
+        problems = woken.failures();
+        if !woken.ready() {
+            let _ = kill_quietly(&record);
+            bail!("vm {:?} was stopped: {}", args.name, problems.join("; "));
+        }
+    }
     let what = if agent {
         "agent answered"
     } else {
@@ -196,7 +277,14 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     );
     // The VMM is not our child to wait for: it is reparented when we exit.
     std::mem::forget(child);
-    Ok(ExitCode::SUCCESS)
+    for p in &problems {
+        eprintln!("tine: {p}");
+    }
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// The `tine vmm --from DIR` command line for `run --from`, with a top
@@ -306,11 +394,16 @@ fn vmm_command(vm: &VmDir, args: &RunArgs, micro: bool) -> anyhow::Result<(Comma
     Ok((cmd, bases.len()))
 }
 
-/// The tap of a vm: IFNAMSIZ allows 15 bytes.
+/// The tap of a vm: IFNAMSIZ allows 15 bytes, so a name longer than 12
+/// keeps its first 6 and gets 6 hex digits of its hash (`web-server-1`
+/// and `web-server-2` must not share a tap).
 pub fn tap_name(name: &str) -> String {
-    let mut t = format!("tt-{name}");
-    t.truncate(15);
-    t
+    if name.len() <= 12 {
+        return format!("tt-{name}");
+    }
+    let h = blake3::hash(name.as_bytes());
+    let head: String = name.chars().take(6).collect();
+    format!("tt-{head}{}", &h.to_hex()[..6])
 }
 
 /// One row of `tine ls`.
@@ -596,6 +689,10 @@ pub fn rm(home: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
         kill_now(&vm, &r)?;
     }
     crate::fork_cmds::drop_checkpoints(&vm);
+    if let Some(l) = &r.lease {
+        crate::net::forget(&tap_name(name));
+        crate::net::release(home, l);
+    }
     std::fs::remove_dir_all(&vm.dir)
         .with_context(|| format!("cannot remove {}", vm.dir.display()))?;
     println!("{name}: removed");
