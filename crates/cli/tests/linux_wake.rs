@@ -1,0 +1,491 @@
+//! The wake-up step and the fork contract on a Linux guest: children that
+//! know they are new (issue 6). Each child must come out of a fork with its
+//! own randomness, identity, clock and secrets, with inherited connections
+//! closed and its egress as the contract says, or not come out at all.
+//!
+//! Named `linux_*`: runs inside the nested test host when this machine has
+//! no hardware virtualization.
+
+mod common;
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{kvm_available, Home, TempDir};
+
+fn exec(h: &Home, vm: &str, script: &str) -> String {
+    h.ok(&["exec", vm, "--", "sh", "-c", script])
+}
+
+fn now_ns() -> i128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos() as i128
+}
+
+/// The vm's lease from `tine ls`-independent state: its record.
+fn lease_ip(h: &Home, vm: &str) -> String {
+    let rec =
+        std::fs::read_to_string(h.0.path().join("vms").join(vm).join("vm.json")).expect("record");
+    let v: serde_json::Value = serde_json::from_str(&rec).expect("json");
+    v["lease"]["ip"]
+        .as_str()
+        .expect("a vm with --net has a lease")
+        .to_string()
+}
+
+fn gateway(ip: &str) -> String {
+    let mut o: Vec<&str> = ip.split('.').collect();
+    o[3] = "1";
+    o.join(".")
+}
+
+/// Guest time (ns) is within `slack` of host time, allowing for the exec's
+/// own round trip.
+fn assert_clock_near_host(h: &Home, vm: &str, slack: Duration) {
+    let before = now_ns();
+    let guest: i128 = exec(h, vm, "date +%s%N").trim().parse().expect("date");
+    let after = now_ns();
+    let s = slack.as_nanos() as i128;
+    assert!(
+        guest > before - s && guest < after + s,
+        "{vm}: guest clock {guest} is not within {slack:?} of host time [{before}, {after}]"
+    );
+}
+
+fn write(dir: &TempDir, name: &str, text: &str, mode: u32) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.path().join(name);
+    std::fs::write(&p, text).expect("write");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    p.to_str().expect("utf8").to_string()
+}
+
+/// Starts `p` with a network, a long-lived TCP connection to a server on
+/// the host, and three secrets.
+struct Parent {
+    server: TcpStream,
+}
+
+fn start_parent(h: &Home, files: &TempDir) -> Parent {
+    h.ok(&["run", "--name", "p", "--mem", "256M", "--net"]);
+    let ip = lease_ip(h, "p");
+    let gw = gateway(&ip);
+    assert_eq!(
+        exec(
+            h,
+            "p",
+            "hostname; ip -4 -o addr show dev eth0 | grep -o 'inet [0-9./]*'"
+        ),
+        format!("p\ninet {ip}/24\n"),
+        "the boot wake gives the vm its name and address"
+    );
+    let listener = TcpListener::bind(format!("{gw}:0")).expect("bind on the tree's gateway");
+    let port = listener.local_addr().expect("addr").port();
+    exec(
+        h,
+        "p",
+        &format!(
+            "mkfifo /tmp/in; (sleep 100000 >/tmp/in 2>/dev/null </dev/null &); \
+             (nc {gw} {port} </tmp/in >/tmp/nc.out 2>&1; echo \"exit $?\" >/tmp/nc.status) >/dev/null 2>&1 </dev/null &"
+        ),
+    );
+    listener.set_nonblocking(false).expect("blocking");
+    let (server, peer) = listener.accept().expect("the parent connects");
+    assert_eq!(peer.ip().to_string(), ip);
+    server
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+
+    let keep = write(files, "keep", "keep-value-1234", 0o600);
+    let revoke = write(files, "revoke", "revoked-value-8d3f2a", 0o600);
+    let provider = write(
+        files,
+        "provider.sh",
+        "#!/bin/sh\nprintf 'rot-%s-%s' \"$1\" \"$2\"\n",
+        0o755,
+    );
+    exec(
+        h,
+        "p",
+        "printf '#!/bin/sh\\necho \"$TINE_SECRET $TINE_SECRET_PATH\" > /tmp/revoked-hook\\n' > /bin/on-revoke && chmod 755 /bin/on-revoke",
+    );
+    h.ok(&[
+        "secret",
+        "add",
+        "p",
+        "keepme",
+        "--path",
+        "/run/secrets/keep",
+        "--on-fork",
+        "keep",
+        "--value-file",
+        &keep,
+    ]);
+    h.ok(&[
+        "secret",
+        "add",
+        "p",
+        "tok",
+        "--path",
+        "/run/secrets/tok",
+        "--on-fork",
+        "revoke",
+        "--revoke-hook",
+        "/bin/on-revoke",
+        "--value-file",
+        &revoke,
+    ]);
+    h.ok(&[
+        "secret",
+        "add",
+        "p",
+        "db",
+        "--path",
+        "/run/secrets/db",
+        "--on-fork",
+        "rotate",
+        "--provider",
+        &provider,
+        "--value-file",
+        &keep,
+    ]);
+    let shown = h.ok(&["contract", "show", "p"]);
+    assert!(
+        shown.contains("[secrets.tok]") && !shown.contains("revoked-value"),
+        "the contract lists secrets by name and policy, never values:\n{shown}"
+    );
+    Parent { server }
+}
+
+#[test]
+fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
+    if !kvm_available() {
+        return;
+    }
+    let _serial = common::one_linux_test_at_a_time();
+    let h = Home::new("wakesecure");
+    let files = TempDir::new("wakesecurefiles");
+    let mut p = start_parent(&h, &files);
+
+    let out = h.ok(&["fork", "p", "-n", "10", "--json"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).expect("json");
+    eprintln!(
+        "linux fork -n 10 (secure): paused {} ms, forked {} ms, wake {} ms, total {} ms",
+        reply["pause_ms"], reply["forked_ms"], reply["wake_ms"], reply["total_ms"]
+    );
+    assert_eq!(reply["problems"], serde_json::json!([]), "{out}");
+    let children: Vec<String> = (1..=10).map(|i| format!("p-{i}")).collect();
+
+    // Everything that must differ, read right after the wake.
+    let mut seen: [HashSet<String>; 5] = Default::default();
+    for c in &children {
+        let out = exec(
+            &h,
+            c,
+            "head -c32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; hostname; \
+             cat /sys/class/net/eth0/address; ip -4 -o addr show dev eth0 | grep -o 'inet [0-9./]*'; cat /etc/machine-id",
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 5, "{c}: {out}");
+        assert_eq!(lines[0].len(), 64, "{c}: 32 random bytes: {out}");
+        assert_eq!(lines[1], c, "{c}: hostname");
+        assert_eq!(
+            lines[3],
+            format!("inet {}/24", lease_ip(&h, c)),
+            "{c}: address"
+        );
+        for (set, v) in seen.iter_mut().zip(&lines) {
+            assert!(
+                set.insert(v.to_string()),
+                "{c}: {v:?} is not unique among the children"
+            );
+        }
+        assert_clock_near_host(&h, c, Duration::from_secs(1));
+    }
+    // The parent's address is none of its children's.
+    assert!(!seen[3].contains(&format!("inet {}/24", lease_ip(&h, "p"))));
+
+    // The inherited TCP connection: reset in every child, alive in the parent.
+    p.server
+        .write_all(b"after-fork\n")
+        .expect("the parent's connection still works");
+    let mut buf = [0u8; 64];
+    match p.server.read(&mut buf) {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+        other => panic!("the server must see nothing from the children's copies (no reset, no data), got {other:?}"),
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = exec(
+            &h,
+            "p",
+            "cat /tmp/nc.out; cat /tmp/nc.status 2>/dev/null || echo running",
+        );
+        if out.contains("after-fork") {
+            assert!(out.ends_with("running\n"), "the parent's nc goes on: {out}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the parent never got the server's line: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for c in &children {
+        let out = exec(
+            &h,
+            c,
+            "cat /tmp/nc.status 2>/dev/null || echo running; cat /tmp/nc.out",
+        );
+        assert!(
+            out.starts_with("exit ") && !out.starts_with("exit 0") && !out.contains("after-fork"),
+            "{c}: the inherited connection must be reset: {out}"
+        );
+    }
+
+    // Secrets: kept, revoked (gone everywhere, hook ran), rotated.
+    for c in &children {
+        let out = exec(
+            &h,
+            c,
+            "cat /run/secrets/keep; echo; ls /run/secrets/tok 2>/dev/null || echo tok-gone; \
+             cat /tmp/revoked-hook; cat /run/secrets/db; echo; stat -c %a /run/secrets/db; \
+             find / \\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -type f -print 2>/dev/null \
+               | xargs grep -l revoked-value-8d3f2a 2>/dev/null || echo nowhere",
+        );
+        assert_eq!(
+            out,
+            format!("keep-value-1234\ntok-gone\ntok /run/secrets/tok\nrot-{c}-p\n600\nnowhere\n"),
+            "{c}"
+        );
+    }
+    let out = exec(&h, "p", "cat /run/secrets/tok; echo; cat /run/secrets/db");
+    assert_eq!(
+        out, "revoked-value-8d3f2a\nkeep-value-1234",
+        "the parent keeps all"
+    );
+    for c in children.iter().chain(std::iter::once(&"p".to_string())) {
+        h.ok(&["rm", "--force", c]);
+    }
+}
+
+#[test]
+fn test_reproducible_children_replay_alike_and_a_restored_clock_is_stepped() {
+    if !kvm_available() {
+        return;
+    }
+    let _serial = common::one_linux_test_at_a_time();
+    let h = Home::new("wakerepro");
+    let files = TempDir::new("wakereprofiles");
+    h.ok(&["run", "--name", "p", "--mem", "256M", "--net"]);
+    // A snapshot that will sit for 30 s before it is restored.
+    let snap = files.path().join("snap");
+    h.ok(&["snapshot", "p", "--to", snap.to_str().expect("utf8")]);
+    let snapped = Instant::now();
+
+    // A parent clock far from the host's shows which clock children keep.
+    exec(&h, "p", "date -u -s '2017-07-14 02:40:00' >/dev/null");
+    let repro = write(
+        &files,
+        "repro.toml",
+        "randomness = \"reproducible\"\n",
+        0o644,
+    );
+    let names: Vec<String> = (1..=10).map(|i| format!("r{i}")).collect();
+    let out = h.ok(&[
+        "fork",
+        "p",
+        "--names",
+        &names.join(","),
+        "--contract",
+        &repro,
+        "--json",
+    ]);
+    let reply: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(reply["problems"], serde_json::json!([]), "{out}");
+    let mut bytes = HashSet::new();
+    for c in &names {
+        let out = exec(
+            &h,
+            c,
+            "head -c32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s",
+        );
+        let (rand, secs) = out.split_once('\n').expect("two lines");
+        bytes.insert(rand.to_string());
+        let secs: i64 = secs.trim().parse().expect("date");
+        assert!(
+            (1_500_000_000..1_500_000_000 + 600).contains(&secs),
+            "{c}: the virtual clock continues from the snapshot moment (2017-07-14 02:40), got {secs}"
+        );
+    }
+    assert_eq!(
+        bytes.len(),
+        1,
+        "every reproducible child reads the same bytes: {bytes:?}"
+    );
+    let show = h.ok(&["contract", "show", "r1"]);
+    assert!(show.contains("randomness = \"reproducible\""), "{show}");
+
+    // The snapshot has sat for 30 s: a restored copy's clock is stepped.
+    let sat = Duration::from_secs(30);
+    if let Some(rest) = sat.checked_sub(snapped.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    h.ok(&[
+        "run",
+        "--name",
+        "back",
+        "--from",
+        snap.to_str().expect("utf8"),
+        "--net",
+    ]);
+    assert_clock_near_host(&h, "back", Duration::from_secs(1));
+    assert_eq!(exec(&h, "back", "hostname"), "back\n");
+    for c in names
+        .iter()
+        .chain(["p".to_string(), "back".to_string()].iter())
+    {
+        h.ok(&["rm", "--force", c]);
+    }
+}
+
+#[test]
+fn test_egress_hooks_and_bad_contracts() {
+    if !kvm_available() {
+        return;
+    }
+    let _serial = common::one_linux_test_at_a_time();
+    let h = Home::new("wakeegress");
+    let files = TempDir::new("wakeegressfiles");
+    h.ok(&["run", "--name", "p", "--mem", "256M", "--net"]);
+    let gw = gateway(&lease_ip(&h, "p"));
+    let allowed = TcpListener::bind(format!("{gw}:0")).expect("bind");
+    let denied = TcpListener::bind(format!("{gw}:0")).expect("bind");
+    let (pa, pd) = (
+        allowed.local_addr().expect("a").port(),
+        denied.local_addr().expect("d").port(),
+    );
+    exec(
+        &h,
+        "p",
+        "mkdir -p /etc/tine/wake.d && \
+         printf '#!/bin/sh\\nenv | grep ^TINE_ | sort > /tmp/hook.env\\n' > /etc/tine/wake.d/10-env && \
+         chmod 755 /etc/tine/wake.d/10-env",
+    );
+
+    // Bad input is refused before anything is paused; the parent runs on.
+    for (text, needle) in [
+        ("randomnes = \"secure\"\n", "randomnes"),
+        ("[network]\nchildren_egress = \"sometimes\"\n", "sometimes"),
+    ] {
+        let bad = write(&files, "bad.toml", text, 0o644);
+        let out = h.out(&["fork", "p", "-n", "1", "--contract", &bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(needle),
+            "{text:?}: {err}"
+        );
+    }
+    let failing = write(
+        &files,
+        "fail.sh",
+        "#!/bin/sh\necho no-token-today >&2\nexit 3\n",
+        0o755,
+    );
+    let rot = write(
+        &files,
+        "rot.toml",
+        &format!(
+            "[secrets.x]\npath = \"/run/x\"\non_fork = \"rotate\"\nprovider = \"{failing}\"\n"
+        ),
+        0o644,
+    );
+    let out = h.out(&["fork", "p", "-n", "1", "--contract", &rot]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("no-token-today")
+            && err.contains("nothing was paused"),
+        "{err}"
+    );
+    assert!(
+        !h.0.path().join("vms/p-1").exists(),
+        "no child was left behind"
+    );
+    // Quiesced guests would hang this exec: the parent is not frozen.
+    assert_eq!(exec(&h, "p", "echo alive"), "alive\n");
+
+    // Egress: children may reach only the allow-list.
+    let deny = write(
+        &files,
+        "deny.toml",
+        &format!("[network]\nchildren_egress = \"deny\"\nallow = [\"{gw}:{pa}\"]\n"),
+        0o644,
+    );
+    h.ok(&["fork", "p", "--names", "c", "--contract", &deny]);
+    let probe = |port: u16| {
+        exec(
+            &h,
+            "c",
+            &format!(
+                "nc -w 3 {gw} {port} </dev/null >/dev/null 2>&1 && echo reached || echo blocked"
+            ),
+        )
+    };
+    assert_eq!(probe(pa), "reached\n", "the allowed address is reachable");
+    let (_, peer) = allowed.accept().expect("the child's connection arrives");
+    assert_eq!(peer.ip().to_string(), lease_ip(&h, "c"));
+    assert_eq!(
+        probe(pd),
+        "blocked\n",
+        "an address outside the allow-list is not"
+    );
+    denied.set_nonblocking(true).expect("nb");
+    assert!(
+        denied.accept().is_err(),
+        "nothing reached the denied server"
+    );
+    // The parent's egress is not restricted.
+    assert_eq!(
+        exec(
+            &h,
+            "p",
+            &format!(
+                "nc -w 3 {gw} {pd} </dev/null >/dev/null 2>&1 && echo reached || echo blocked"
+            )
+        ),
+        "reached\n"
+    );
+
+    // Hooks run last, with the wake facts; a failing one is reported.
+    let env = exec(&h, "c", "cat /tmp/hook.env");
+    assert!(
+        env.contains("TINE_VM_ID=c\n")
+            && env.contains("TINE_PARENT_ID=p\n")
+            && env.contains("TINE_ROLE=child\n"),
+        "{env}"
+    );
+    exec(
+        &h,
+        "p",
+        "printf '#!/bin/sh\\necho hook-says-no >&2\\nexit 1\\n' > /etc/tine/wake.d/50-fail && chmod 755 /etc/tine/wake.d/50-fail",
+    );
+    let out = h.out(&["fork", "p", "--names", "d"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("50-fail") && err.contains("hook-says-no"),
+        "a failing hook is reported: {err}"
+    );
+    assert_eq!(
+        exec(&h, "d", "echo up"),
+        "up\n",
+        "the child itself is safe and runs"
+    );
+    for c in ["c", "d", "p"] {
+        h.ok(&["rm", "--force", c]);
+    }
+}
