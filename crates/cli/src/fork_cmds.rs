@@ -192,6 +192,7 @@ pub fn fork(
         .collect();
 
     let t0 = Instant::now();
+    let quiesce_t = Instant::now();
     let quiesced = match wake::quiesce(&vm, &r) {
         Ok(q) => q,
         Err(e) => {
@@ -199,6 +200,7 @@ pub fn fork(
             return Err(e);
         }
     };
+    let quiesce_ms = quiesce_t.elapsed().as_secs_f64() * 1000.0;
     let res = call(
         &vm.api_socket(),
         &Request::Fork {
@@ -261,6 +263,7 @@ pub fn fork(
         v["total_ms"] = serde_json::json!(ready_ms);
         v["forked_ms"] = serde_json::json!(forked_ms);
         v["wake_ms"] = serde_json::json!(wake_ms);
+        v["quiesce_ms"] = serde_json::json!(quiesce_ms);
         v["quiesce"] = serde_json::to_value(&quiesced)?;
         v["names"] = serde_json::json!(names);
         v["wake"] = serde_json::to_value(&woken)?;
