@@ -2,10 +2,13 @@
 //! nothing in the guest uses the inherited RNG, clock or identity before
 //! the wake renews them.
 //!
-//! Preferred: the cgroup v2 freezer. The agent moves itself into
-//! `tine-agent` and every other process into `tine-workload`, which it
-//! freezes (kernel threads cannot be moved and are left alone). Without
-//! cgroup v2 it falls back to SIGSTOP/SIGCONT. A watchdog thaws on its own
+//! Preferred: the cgroup v2 freezer. An agent in the root cgroup (the
+//! initramfs) moves itself into `tine-agent`; every other process in a
+//! cgroup on the agent's path (the root, its ancestors, its own cgroup)
+//! moves into `tine-workload`, which is frozen, and every cgroup off that
+//! path (e.g. systemd's slices) is frozen in place, so a cgroup manager
+//! keeps its processes where it put them. Kernel threads cannot be moved
+//! and are left alone. Without cgroup v2 it falls back to SIGSTOP/SIGCONT. A watchdog thaws on its own
 //! after the timeout, measured on CLOCK_MONOTONIC (`Instant`, and the
 //! Condvar waits on it too), which stands still while the vm is paused or
 //! asleep in a snapshot.
@@ -35,8 +38,8 @@ const PF_KTHREAD: u64 = 0x0020_0000;
 /// How the workload is frozen.
 #[derive(Debug)]
 pub enum Method {
-    /// cgroup v2 freezer on this workload cgroup directory.
-    Cgroup(PathBuf),
+    /// cgroup v2 freezer.
+    Cgroup(CgroupFreeze),
     /// Processes stopped with SIGSTOP: (pid, start time) so a reused pid
     /// is never sent SIGCONT.
     Sigstop(Vec<(i32, u64)>),
@@ -55,7 +58,7 @@ impl Method {
 
     fn processes(&self) -> u32 {
         match self {
-            Method::Cgroup(dir) => count_procs(dir),
+            Method::Cgroup(c) => c.processes(),
             Method::Sigstop(p) => p.len() as u32,
             Method::Sandbox => 0,
         }
@@ -112,7 +115,7 @@ pub fn quiesce(timeout_ms: u64, sandbox: bool) -> QuiesceReport {
         Method::Sandbox
     } else {
         match cgroup_freeze() {
-            Ok(dir) => Method::Cgroup(dir),
+            Ok(c) => Method::Cgroup(c),
             Err(e) => {
                 eprintln!("tine-agent: cgroup v2 freezer unavailable ({e}); using SIGSTOP");
                 Method::Sigstop(sigstop_all())
@@ -188,10 +191,20 @@ pub fn put_back(f: Frozen) {
 /// Thaws the workload; the detail names how many processes and how.
 pub fn thaw(f: Frozen) -> Result<String, String> {
     match f.method {
-        Method::Cgroup(dir) => {
-            let freeze = dir.join("cgroup.freeze");
-            fs::write(&freeze, "0").map_err(|e| format!("{}: {e}", freeze.display()))?;
-            Ok(format!("thawed {} processes (cgroup)", count_procs(&dir)))
+        Method::Cgroup(c) => {
+            let n = c.processes();
+            let mut failed = Vec::new();
+            for dir in std::iter::once(&c.work).chain(&c.others) {
+                let freeze = dir.join("cgroup.freeze");
+                if let Err(e) = fs::write(&freeze, "0") {
+                    failed.push(format!("{}: {e}", freeze.display()));
+                }
+            }
+            if failed.is_empty() {
+                Ok(format!("thawed {n} processes (cgroup)"))
+            } else {
+                Err(format!("cannot thaw {}", failed.join("; ")))
+            }
         }
         Method::Sigstop(pids) => {
             let mut n = 0;
@@ -210,10 +223,43 @@ pub fn thaw(f: Frozen) -> Result<String, String> {
     }
 }
 
-fn count_procs(dir: &Path) -> u32 {
-    fs::read_to_string(dir.join("cgroup.procs"))
-        .map(|s| s.lines().count() as u32)
-        .unwrap_or(0)
+/// What the cgroup freezer froze.
+#[derive(Debug)]
+pub struct CgroupFreeze {
+    /// `tine-workload`, where the processes on the agent's path went.
+    work: PathBuf,
+    /// Cgroups off the agent's path, frozen in place (not those someone
+    /// else had frozen already: they stay frozen).
+    others: Vec<PathBuf>,
+    /// The same cgroups, as /proc/PID/cgroup names them.
+    frozen_names: Vec<String>,
+}
+
+impl CgroupFreeze {
+    /// Processes in the frozen cgroups.
+    fn processes(&self) -> u32 {
+        let me = std::process::id() as i32;
+        user_pids()
+            .into_iter()
+            .filter(|&pid| pid != me)
+            .filter_map(cgroup_of)
+            .filter(|cg| self.frozen_names.iter().any(|f| within(cg, f)))
+            .count() as u32
+    }
+}
+
+/// The cgroup v2 path of a process (`0::/path` in /proc/PID/cgroup).
+fn cgroup_of(pid: i32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| p.trim().to_string())
+}
+
+/// True when cgroup `path` is `dir` or below it.
+fn within(path: &str, dir: &str) -> bool {
+    dir == "/" || path == dir || path.strip_prefix(dir).is_some_and(|r| r.starts_with('/'))
 }
 
 /// Where cgroup v2 is mounted, mounting it at /sys/fs/cgroup if nothing
@@ -261,12 +307,12 @@ fn mkdir(p: &Path) -> Result<(), String> {
     }
 }
 
-/// Freezes `tine-workload` and moves every process but the agent and the
-/// kernel's threads into it; processes moved into a frozen cgroup freeze.
-fn cgroup_freeze() -> Result<PathBuf, String> {
+/// Freezes every cgroup off the agent's path in place, and moves the
+/// other processes on its path into `tine-workload`, frozen first (a
+/// process moved into a frozen cgroup freezes).
+fn cgroup_freeze() -> Result<CgroupFreeze, String> {
     let root = cgroup2_root()?;
-    let (agent, work) = (root.join("tine-agent"), root.join("tine-workload"));
-    mkdir(&agent)?;
+    let work = root.join("tine-workload");
     mkdir(&work)?;
     let freeze = work.join("cgroup.freeze");
     if !freeze.exists() {
@@ -276,19 +322,39 @@ fn cgroup_freeze() -> Result<PathBuf, String> {
     if let Ok(c) = CString::new(procs.as_os_str().as_bytes()) {
         let _ = WORKLOAD_PROCS.set(c);
     }
-    // "0" is the writer's own process. Failing this only means the agent
-    // stays where it was, which is still not frozen.
-    if let Err(e) = fs::write(agent.join("cgroup.procs"), "0") {
-        eprintln!("tine-agent: cannot move into {}: {e}", agent.display());
+    let mut me =
+        cgroup_of(std::process::id() as i32).ok_or("no cgroup v2 entry in /proc/self/cgroup")?;
+    if me == "/" {
+        // "0" is the writer's own process. Failing this only means the
+        // agent stays in the root, which is never frozen either.
+        let agent = root.join("tine-agent");
+        match mkdir(&agent).and_then(|()| {
+            fs::write(agent.join("cgroup.procs"), "0")
+                .map_err(|e| format!("{}: {e}", agent.display()))
+        }) {
+            Ok(()) => me = "/tine-agent".into(),
+            Err(e) => eprintln!("tine-agent: cannot move into its own cgroup: {e}"),
+        }
     }
     fs::write(&freeze, "1").map_err(|e| format!("{}: {e}", freeze.display()))?;
-    let me = std::process::id() as i32;
+    let mut c = CgroupFreeze {
+        work: work.clone(),
+        others: Vec::new(),
+        frozen_names: vec!["/tine-workload".into()],
+    };
+    freeze_off_path(&root, "", &me, &mut c);
+    let pid_me = std::process::id() as i32;
     let mut moved = HashSet::new();
     let mut first_error = None;
     for _ in 0..MAX_PASSES {
         let mut new = 0;
         for pid in user_pids() {
-            if pid == me || moved.contains(&pid) {
+            if pid == pid_me || moved.contains(&pid) {
+                continue;
+            }
+            // Only processes on the agent's path (in the agent's cgroup
+            // or an ancestor): the others are frozen where they are.
+            if !cgroup_of(pid).is_some_and(|cg| within(&me, &cg)) {
                 continue;
             }
             match fs::write(&procs, pid.to_string()) {
@@ -312,23 +378,64 @@ fn cgroup_freeze() -> Result<PathBuf, String> {
         eprintln!("tine-agent: quiesce: some processes stay unfrozen: {e}");
     }
     let t = Instant::now();
-    let events = work.join("cgroup.events");
-    loop {
-        let frozen = fs::read_to_string(&events)
-            .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))
-            .unwrap_or(false);
-        if frozen {
-            break;
+    for dir in std::iter::once(&c.work).chain(&c.others) {
+        let events = dir.join("cgroup.events");
+        loop {
+            let frozen = fs::read_to_string(&events)
+                .map(|s| s.lines().any(|l| l.trim() == "frozen 1"))
+                .unwrap_or(true);
+            if frozen {
+                break;
+            }
+            if t.elapsed() > FROZEN_WAIT {
+                // Tasks still in the kernel freeze before they reach user
+                // space again, so this is safe to go on with; say so.
+                eprintln!(
+                    "tine-agent: quiesce: {} did not report frozen within {FROZEN_WAIT:?}",
+                    dir.display()
+                );
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(500));
         }
-        if t.elapsed() > FROZEN_WAIT {
-            // Tasks still in the kernel freeze before they reach user
-            // space again, so this is safe to go on with; just say so.
-            eprintln!("tine-agent: quiesce: not all of tine-workload froze within {FROZEN_WAIT:?}");
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(500));
     }
-    Ok(work)
+    Ok(c)
+}
+
+/// Freezes in place every cgroup below `dir` (named `rel`, "" for the
+/// root) that neither holds the agent nor leads to it.
+fn freeze_off_path(dir: &Path, rel: &str, me: &str, c: &mut CgroupFreeze) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let name = format!("{rel}/{}", e.file_name().to_string_lossy());
+        if name == "/tine-workload" {
+            continue;
+        }
+        if within(me, &name) {
+            // On the agent's path: freeze what hangs off it, deeper.
+            freeze_off_path(&e.path(), &name, me, c);
+            continue;
+        }
+        let freeze = e.path().join("cgroup.freeze");
+        if fs::read_to_string(&freeze).is_ok_and(|s| s.trim() == "1") {
+            continue;
+        }
+        match fs::write(&freeze, "1") {
+            Ok(()) => {
+                c.others.push(e.path());
+                c.frozen_names.push(name);
+            }
+            Err(err) => eprintln!(
+                "tine-agent: quiesce: cannot freeze {}: {err}",
+                freeze.display()
+            ),
+        }
+    }
 }
 
 /// The fields of /proc/PID/stat after the command name.
@@ -390,6 +497,15 @@ fn sigstop_all() -> Vec<(i32, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_within() {
+        assert!(within("/a/b", "/"));
+        assert!(within("/a/b", "/a"));
+        assert!(within("/a", "/a"));
+        assert!(!within("/ab", "/a"));
+        assert!(!within("/a", "/a/b"));
+    }
 
     #[test]
     fn test_user_pids_lists_us_but_no_kernel_threads() {
