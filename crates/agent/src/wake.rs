@@ -7,6 +7,12 @@
 //! Identity, secrets and the contract are in place before the thaw, so no
 //! application sees the old ones; hooks run last, on a running guest.
 //!
+//! Commands the agent runs itself (`ip`, revoke hooks, wake hooks) stay in
+//! the agent's cgroup, so those before the thaw do not freeze; a revoke
+//! hook therefore runs while the workload is still frozen. Hooks get
+//! stdin and stdout on /dev/null; a failure reports the tail of stderr.
+//! `TINE_SECRET_PATH` is the file's real path (under DIR in the sandbox).
+//!
 //! With `--root DIR` (tests on a host) file paths are re-rooted under DIR
 //! and the system-wide calls (RNG ioctls, clock, kernel hostname, `ip`,
 //! connection resets, the freezer) are skipped with a "sandbox" detail.
