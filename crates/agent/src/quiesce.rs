@@ -122,6 +122,11 @@ pub fn quiesce(timeout_ms: u64, sandbox: bool) -> QuiesceReport {
             }
         }
     };
+    if !sandbox {
+        if let Err(e) = crate::wake::reseed_crng() {
+            eprintln!("tine-agent: {e} (reproducible children may diverge)");
+        }
+    }
     let report = QuiesceReport {
         method: method.name().into(),
         processes: method.processes(),

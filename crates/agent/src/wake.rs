@@ -184,6 +184,16 @@ fn ioctl_random(req: libc::c_ulong, arg: *const libc::c_void, what: &str) -> Res
     Ok(())
 }
 
+/// Forces a CRNG reseed now. Done at Quiesce, just before the moment is
+/// taken: the kernel also reseeds on its own once its seed is older than
+/// an interval (uptime/2 early on, then 60 s), and a reproducible child
+/// that hit that right after waking would mix in RDSEED and interrupt
+/// noise and stop replaying like its siblings. A fresh seed restarts the
+/// interval, and a child's clock (virtual time) continues from here.
+pub fn reseed_crng() -> Result<(), String> {
+    ioctl_random(RNDRESEEDCRNG, std::ptr::null(), "RNDRESEEDCRNG")
+}
+
 /// Mixes `bytes` into the kernel's input pool, credited as `8 * len` bits.
 fn add_entropy(bytes: &[u8]) -> Result<(), String> {
     let len = i32::try_from(bytes.len()).map_err(|_| "too much entropy".to_string())?;
