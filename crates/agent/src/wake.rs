@@ -432,6 +432,17 @@ fn network(net: Option<&WakeNet>, ctx: &Ctx) -> StepResult {
         Some(i) => i.clone(),
         None => default_interface()?,
     };
+    // tine's networks are IPv4 (the host drops IPv6 from taps). IPv6 off on
+    // the interface also means no link-local address from the old MAC and
+    // no autoconf timers firing at random moments after the wake: those
+    // draw kernel randomness and make reproducible children diverge.
+    let v6 = PathBuf::from(format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6"));
+    let v6_note = if v6.exists() {
+        fs::write(&v6, "1").map_err(|e| format!("cannot turn IPv6 off on {dev}: {e}"))?;
+        ", IPv6 off"
+    } else {
+        ""
+    };
     let ip = ip_binary();
     let d = dev.as_str();
     let cmds: [&[&str]; 6] = [
@@ -454,7 +465,7 @@ fn network(net: Option<&WakeNet>, ctx: &Ctx) -> StepResult {
         }
     }
     Ok(Done::Ok(format!(
-        "{d}: {} {} via {}",
+        "{d}: {} {} via {}{v6_note}",
         net.mac, net.ip, net.gateway
     )))
 }

@@ -234,14 +234,16 @@ pub fn fork(
 
     // Wake-up: the parent and every child, at once.
     let mut problems = Vec::new();
+    let taps: Vec<(String, net::Lease)> = recs
+        .iter()
+        .filter_map(|rec| rec.lease.map(|l| (tap_name(&rec.name), l)))
+        .collect();
+    if let Err(e) = net::configure_taps(&taps) {
+        problems.push(format!("host network: {e:#}"));
+    }
     let woken = if quiesced.is_some() {
         let mut copies = vec![(vm.clone(), round.message(Role::Parent, &r, &[])?)];
         for ((d, rec), rot) in dirs.iter().zip(&recs).zip(&rotated) {
-            if let Some(l) = &rec.lease {
-                if let Err(e) = net::configure_tap(&tap_name(&d.name), l) {
-                    problems.push(format!("{}: host network: {e:#}", d.name));
-                }
-            }
             copies.push((d.clone(), round.message(Role::Child, rec, rot)?));
         }
         wake::wake_all(copies)

@@ -10,7 +10,8 @@
 //! never hand out one address twice and nothing needs a lock.
 //!
 //! Isolation (table `inet tine`): a packet from a tap (`tt-*`) whose source
-//! is not that tap's leased address is dropped. That matters at fork: a
+//! is not that tap's leased address is dropped, and so is IPv6 (the pool is
+//! IPv4; the agent turns IPv6 off on the guest's interface). That matters at fork: a
 //! child starts with its parent's address and inherited connections; what
 //! it sends before the agent renews its identity (retransmits, the RSTs
 //! that close inherited connections) never reaches the parent's peers.
@@ -118,36 +119,41 @@ pub fn release(home: &Path, lease: &Lease) {
     let _ = std::fs::remove_file(leases_dir(home).join(lease.ip.to_string()));
 }
 
-fn run(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("cannot run {what} (is iproute2 installed?)"))?;
+/// The host side of each tap: up, the gateway address, a route to its vm.
+/// One `ip -batch` for all of them: a fork of many children pays for one
+/// process, not three per child.
+pub fn configure_taps(taps: &[(String, Lease)]) -> anyhow::Result<()> {
+    if taps.is_empty() {
+        return Ok(());
+    }
+    let mut script = String::new();
+    for (tap, l) in taps {
+        script.push_str(&format!(
+            "link set dev {tap} up\naddr replace {}/32 dev {tap}\nroute replace {}/32 dev {tap}\n",
+            l.gateway(),
+            l.ip
+        ));
+    }
+    let mut child = Command::new("ip")
+        .args(["-batch", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot run ip (is iproute2 installed?)")?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .context("cannot write to ip")?;
+    }
+    let out = child.wait_with_output().context("ip failed")?;
     if !out.status.success() {
         bail!(
-            "{what} failed: {}",
+            "configuring the host side of the taps failed: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
     Ok(())
-}
-
-/// The host side of `tap`: up, the gateway address, a route to the vm.
-pub fn configure_tap(tap: &str, lease: &Lease) -> anyhow::Result<()> {
-    let gw = format!("{}/32", lease.gateway());
-    let vm = format!("{}/32", lease.ip);
-    run(
-        Command::new("ip").args(["link", "set", "dev", tap, "up"]),
-        &format!("ip link set dev {tap} up"),
-    )?;
-    run(
-        Command::new("ip").args(["addr", "replace", &gw, "dev", tap]),
-        &format!("ip addr replace {gw} dev {tap}"),
-    )?;
-    run(
-        Command::new("ip").args(["route", "replace", &vm, "dev", tap]),
-        &format!("ip route replace {vm} dev {tap}"),
-    )
 }
 
 /// Feeds a script to `nft -f -`.
@@ -196,6 +202,7 @@ fn ensure_table() -> anyhow::Result<()> {
   chain prerouting {{
     type filter hook prerouting priority -150; policy accept;
     iifname \"tt-*\" meta nfproto ipv4 iifname . ip saddr != @own counter drop
+    iifname \"tt-*\" meta nfproto ipv6 counter drop
     iifname \"tt-*\" iifname vmap @egress
   }}
 }}

@@ -229,7 +229,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(if agent { 20 } else { 1 }));
     }
     if let Some(l) = &lease {
-        crate::net::configure_tap(&tap_name(&args.name), l)?;
+        crate::net::configure_taps(&[(tap_name(&args.name), *l)])?;
     }
     // Wake-up: a booted vm takes its identity; a restored one becomes a
     // new copy. It is ready only once that is done.

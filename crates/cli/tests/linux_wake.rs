@@ -47,13 +47,43 @@ fn gateway(ip: &str) -> String {
 /// own round trip.
 fn assert_clock_near_host(h: &Home, vm: &str, slack: Duration) {
     let before = now_ns();
-    let guest: i128 = exec(h, vm, "date +%s%N").trim().parse().expect("date");
+    // busybox date has no %N; adjtimex prints the clock in µs.
+    let guest: i128 = exec(
+        h,
+        vm,
+        "adjtimex | awk '/tv_sec/{s=$2} /tv_usec/{u=$2} END{printf \"%d%06d000\\n\", s, u}'",
+    )
+    .trim()
+    .parse()
+    .expect("guest time in ns");
     let after = now_ns();
     let s = slack.as_nanos() as i128;
     assert!(
         guest > before - s && guest < after + s,
         "{vm}: guest clock {guest} is not within {slack:?} of host time [{before}, {after}]"
     );
+}
+
+/// Accepts one connection within `limit`, says hi and closes it.
+fn greet(l: &TcpListener, limit: Duration) -> Option<std::net::SocketAddr> {
+    let (mut s, peer) = accept_within(l, limit)?;
+    let _ = s.write_all(b"hi\n");
+    Some(peer)
+}
+
+/// A connection to `l` within `limit`, if one comes.
+fn accept_within(l: &TcpListener, limit: Duration) -> Option<(TcpStream, std::net::SocketAddr)> {
+    l.set_nonblocking(true).expect("nonblocking");
+    let deadline = Instant::now() + limit;
+    loop {
+        match l.accept() {
+            Ok(c) => return Some(c),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(_) => return None,
+        }
+    }
 }
 
 fn write(dir: &TempDir, name: &str, text: &str, mode: u32) -> String {
@@ -93,8 +123,9 @@ fn start_parent(h: &Home, files: &TempDir) -> Parent {
              (nc {gw} {port} </tmp/in >/tmp/nc.out 2>&1; echo \"exit $?\" >/tmp/nc.status) >/dev/null 2>&1 </dev/null &"
         ),
     );
-    listener.set_nonblocking(false).expect("blocking");
-    let (server, peer) = listener.accept().expect("the parent connects");
+    let (server, peer) = accept_within(&listener, Duration::from_secs(30))
+        .expect("the parent's nc connects to the server");
+    server.set_nonblocking(false).expect("blocking");
     assert_eq!(peer.ip().to_string(), ip);
     server
         .set_read_timeout(Some(Duration::from_secs(2)))
@@ -427,39 +458,40 @@ fn test_egress_hooks_and_bad_contracts() {
         0o644,
     );
     h.ok(&["fork", "p", "--names", "c", "--contract", &deny]);
-    let probe = |port: u16| {
+    // A probe gets the server's greeting only if its SYN got through.
+    let probe = |vm: &str, port: u16| {
         exec(
             &h,
-            "c",
-            &format!(
-                "nc -w 3 {gw} {port} </dev/null >/dev/null 2>&1 && echo reached || echo blocked"
-            ),
+            vm,
+            &format!("timeout 5 nc {gw} {port} </dev/null 2>/dev/null | grep -q hi && echo reached || echo blocked"),
         )
     };
-    assert_eq!(probe(pa), "reached\n", "the allowed address is reachable");
-    let (_, peer) = allowed.accept().expect("the child's connection arrives");
-    assert_eq!(peer.ip().to_string(), lease_ip(&h, "c"));
+    let server = std::thread::spawn(move || greet(&allowed, Duration::from_secs(30)));
     assert_eq!(
-        probe(pd),
+        probe("c", pa),
+        "reached\n",
+        "the allowed address is reachable"
+    );
+    let peer = server
+        .join()
+        .expect("server")
+        .expect("the child's connection arrived");
+    assert_eq!(peer.ip().to_string(), lease_ip(&h, "c"));
+    let d2 = denied.try_clone().expect("clone");
+    let server = std::thread::spawn(move || greet(&d2, Duration::from_secs(8)));
+    assert_eq!(
+        probe("c", pd),
         "blocked\n",
         "an address outside the allow-list is not"
     );
-    denied.set_nonblocking(true).expect("nb");
     assert!(
-        denied.accept().is_err(),
+        server.join().expect("server").is_none(),
         "nothing reached the denied server"
     );
     // The parent's egress is not restricted.
-    assert_eq!(
-        exec(
-            &h,
-            "p",
-            &format!(
-                "nc -w 3 {gw} {pd} </dev/null >/dev/null 2>&1 && echo reached || echo blocked"
-            )
-        ),
-        "reached\n"
-    );
+    let server = std::thread::spawn(move || greet(&denied, Duration::from_secs(30)));
+    assert_eq!(probe("p", pd), "reached\n");
+    assert!(server.join().expect("server").is_some());
 
     // Hooks run last, with the wake facts; a failing one is reported.
     let env = exec(&h, "c", "cat /tmp/hook.env");
