@@ -209,6 +209,13 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
         reply["pause_ms"], reply["forked_ms"], reply["wake_ms"], reply["total_ms"]
     );
     assert_eq!(reply["problems"], serde_json::json!([]), "{out}");
+    if let Some(steps) = reply["wake"][1]["report"]["steps"].as_array() {
+        let line: Vec<String> = steps
+            .iter()
+            .map(|s| format!("{}={}us", s["name"].as_str().unwrap_or("?"), s["micros"]))
+            .collect();
+        eprintln!("p-1's wake steps: {}", line.join(" "));
+    }
     let children: Vec<String> = (1..=10).map(|i| format!("p-{i}")).collect();
 
     // Everything that must differ, read right after the wake.
@@ -338,14 +345,32 @@ fn test_reproducible_children_replay_alike_and_a_restored_clock_is_stepped() {
     ]);
     let reply: serde_json::Value = serde_json::from_str(&out).expect("json");
     assert_eq!(reply["problems"], serde_json::json!([]), "{out}");
+    // All at once, right after the wake: the children's CRNGs are equal
+    // until the kernel's own age-based reseed (uptime/2 early after boot,
+    // then 60 s), which mixes in RDSEED (docs/design/wake.md).
+    let outs: Vec<(String, String)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = names
+            .iter()
+            .map(|c| {
+                let h = &h;
+                sc.spawn(move || {
+                    let out = exec(
+                        h,
+                        c,
+                        "head -c32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s",
+                    );
+                    (c.clone(), out)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|t| t.join().expect("exec thread"))
+            .collect()
+    });
     let mut bytes = HashSet::new();
-    for c in &names {
-        let out = exec(
-            &h,
-            c,
-            "head -c32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s",
-        );
+    for (c, out) in &outs {
         let (rand, secs) = out.split_once('\n').expect("two lines");
+        eprintln!("{c}: {rand}");
         bytes.insert(rand.to_string());
         let secs: i64 = secs.trim().parse().expect("date");
         assert!(
