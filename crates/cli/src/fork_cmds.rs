@@ -48,6 +48,7 @@ fn running(home: &Path, name: &str) -> anyhow::Result<(VmDir, VmRecord)> {
 fn identity(vm: &VmDir, r: &VmRecord) -> Identity {
     Identity {
         name: vm.name.clone(),
+        start_paused: false,
         console_log: vm.console_log(),
         console_socket: Some(vm.console_socket()),
         log: vm.vmm_log(),
@@ -185,10 +186,15 @@ pub fn fork(
             return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
         }
     };
+    // Children to be woken stay parked until their wake: none of them runs
+    // on the parent's identity meanwhile (nor ages its CRNG seed).
     let children: Vec<Identity> = dirs
         .iter()
         .zip(&recs)
-        .map(|(d, c)| identity(d, c))
+        .map(|(d, c)| Identity {
+            start_paused: r.agent,
+            ..identity(d, c)
+        })
         .collect();
 
     let t0 = Instant::now();
@@ -215,7 +221,7 @@ pub fn fork(
             // The parent was quiesced: let it go on as it was.
             if quiesced.is_some() {
                 let w = round.message(Role::Parent, &r, &[])?;
-                let _ = wake::wake_one(&vm.vsock(), name, w);
+                let _ = wake::wake_one(&vm, w);
             }
             return Err(e.context(format!("cannot fork {name:?}")));
         }
@@ -452,7 +458,7 @@ fn wake_parent(
         return Ok(None);
     }
     let w = round.message(Role::Parent, r, &[])?;
-    Ok(Some(wake::wake_one(&vm.vsock(), &vm.name, w)))
+    Ok(Some(wake::wake_one(vm, w)))
 }
 
 fn read_checkpoint(path: &Path) -> anyhow::Result<CheckpointRecord> {
@@ -494,7 +500,7 @@ pub fn rollback(home: &Path, name: &str, tag: &str, json: bool) -> anyhow::Resul
     if r.agent {
         let contract = vm.read_contract()?;
         let w = wake::Round::new(&contract)?.message(Role::Rollback, &r, &[])?;
-        let woken = wake::wake_one(&vm.vsock(), name, w);
+        let woken = wake::wake_one(&vm, w);
         problems = woken.failures();
         if !woken.ready() {
             fail_closed(&vm, &r, woken.error.as_deref().unwrap_or("wake failed"));

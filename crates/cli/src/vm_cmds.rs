@@ -258,7 +258,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
                 return Err(e.context(format!("vm {:?} was stopped", args.name)));
             }
         };
-        let woken = crate::wake::wake_one(&vm.vsock(), &args.name, w);
+        let woken = crate::wake::wake_one(&vm, w);
         problems = woken.failures();
         if !woken.ready() {
             let _ = kill_quietly(&record);

@@ -81,6 +81,7 @@ pub struct VmmArgs {
 
 pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
     let opts = ProcessOptions {
+        start_paused: false,
         name: args.name.clone(),
         api_socket: args.api_socket.clone(),
         exit_file: args.exit_file.clone(),

@@ -9,7 +9,6 @@
 //! each secret. Copies are woken in parallel. A copy whose randomness step
 //! failed is never reported ready: it is killed (fail closed).
 
-use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
@@ -77,9 +76,10 @@ impl<'a> Round<'a> {
     ) -> anyhow::Result<Wake> {
         let c = self.contract;
         let new_copy = matches!(role, Role::Child | Role::Restored);
-        let (randomness, entropy_hex) = match c.randomness {
-            Randomness::Secure => (wake::Randomness::Secure, random_hex(64)?),
-            Randomness::Reproducible => (wake::Randomness::Reproducible, wake::to_hex(&self.seed)),
+        let randomness = c.randomness;
+        let entropy_hex = match randomness {
+            Randomness::Secure => random_hex(64)?,
+            Randomness::Reproducible => wake::to_hex(&self.seed),
         };
         let machine_id = match (role, c.randomness) {
             (Role::Boot, _) | (Role::Child | Role::Restored, Randomness::Secure) => {
@@ -318,12 +318,21 @@ impl Woken {
     }
 }
 
-/// Wakes one copy through its agent.
-pub fn wake_one(vsock: &Path, name: &str, w: Wake) -> Woken {
+/// Wakes one copy through its agent. A child was started parked: it is
+/// resumed first (through its VMM's control socket).
+pub fn wake_one(vm: &VmDir, w: Wake) -> Woken {
+    let (vsock, name) = (vm.vsock(), vm.name.as_str());
     let role = w.role;
     let t0 = Instant::now();
     let res = (|| -> anyhow::Result<WakeReport> {
-        let mut s = agent_client::connect(vsock, WAKE_TIMEOUT)?;
+        if role == Role::Child {
+            let call = vmm::api::call(&vm.api_socket(), &vmm::api::Request::Resume, WAKE_TIMEOUT)
+                .context("cannot resume the child")?;
+            if let Some(e) = &call.reply.error {
+                bail!("cannot resume the child: {e}");
+            }
+        }
+        let mut s = agent_client::connect(&vsock, WAKE_TIMEOUT)?;
         s.set_read_timeout(Some(WAKE_TIMEOUT))?;
         Ok(protocol::wake(&mut s, w)?)
     })();
@@ -358,7 +367,7 @@ pub fn wake_all(copies: Vec<(VmDir, Wake)>) -> Vec<Woken> {
     std::thread::scope(|sc| {
         let handles: Vec<_> = copies
             .into_iter()
-            .map(|(vm, w)| sc.spawn(move || wake_one(&vm.vsock(), &vm.name, w)))
+            .map(|(vm, w)| sc.spawn(move || wake_one(&vm, w)))
             .collect();
         handles
             .into_iter()

@@ -41,16 +41,9 @@ pub enum ContractError {
     Invalid(String),
 }
 
-/// Per-copy randomness (and, by default, clock) policy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Randomness {
-    /// Fresh host entropy per copy and a CRNG reseed.
-    #[default]
-    Secure,
-    /// One seed for every child of a fork, no reseed: runs replay alike.
-    Reproducible,
-}
+/// Per-copy randomness (and, by default, clock) policy: the agent's own
+/// type, so the contract and the wake message cannot drift apart.
+pub use protocol::wake::Randomness;
 
 /// What a copy's clock shows after wake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -41,12 +41,18 @@ pub enum Request {
     Rollback { vm: Identity },
     /// To a template: exit.
     Drop,
+    /// Let a vm started paused (a child with `start_paused`) run.
+    Resume,
 }
 
 /// The host side of a vm: what a forked or restored vm gets as its own.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Identity {
     pub name: String,
+    /// A child starts with its vCPUs parked and runs only on `Resume`, so
+    /// nothing of it runs before its wake-up step.
+    #[serde(default)]
+    pub start_paused: bool,
     /// COM1 output.
     pub console_log: PathBuf,
     /// COM1 input socket, if the vm has one.

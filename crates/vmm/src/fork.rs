@@ -149,6 +149,12 @@ impl ForkSource {
         self.backing
     }
 
+    /// Lets a vm started paused run (one resume; a running vm is an error).
+    pub fn resume(&self) -> Result<(), crate::vstate::control::ControlError> {
+        let _busy = lock(&self.busy);
+        self.handle.resume()
+    }
+
     /// The vm's configuration (its host side).
     pub fn config(&self) -> &VmConfig {
         &self.config

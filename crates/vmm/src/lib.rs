@@ -106,6 +106,12 @@ impl Vmm {
     /// returns while it runs; [`RunningVmm::handle`] pauses, resumes and
     /// saves it, [`RunningVmm::wait`] waits for its exit.
     pub fn start(self) -> Result<RunningVmm, RunError> {
+        self.start_as(false)
+    }
+
+    /// [`Vmm::start`], with every vCPU parked before its first instruction
+    /// when `paused` (resumed through the control socket's `Resume`).
+    pub fn start_as(self, paused: bool) -> Result<RunningVmm, RunError> {
         let exit = self.exit.clone();
         let signals = block_stop_signals();
         spawn("signals", {
@@ -144,7 +150,9 @@ impl Vmm {
             }
         })?;
         let mem = self.mem.clone();
-        let running = RunningVmm::start(self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit)?;
+        let running = RunningVmm::start(
+            self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit, paused,
+        )?;
         let source = ForkSource::new(
             running.handle(),
             fork::DeviceControl {

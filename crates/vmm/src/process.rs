@@ -33,6 +33,8 @@ pub struct ProcessOptions {
     pub api_socket: Option<PathBuf>,
     /// Written with why the vm ended.
     pub exit_file: Option<PathBuf>,
+    /// Start with the vCPUs parked until a `Resume` request.
+    pub start_paused: bool,
 }
 
 /// Why a vm ended, as written to the exit file.
@@ -63,7 +65,7 @@ pub fn serve(
     opts: ProcessOptions,
     on_running: impl FnOnce(),
 ) -> Result<GuestExit, ServeError> {
-    let running = vmm.start()?;
+    let running = vmm.start_as(opts.start_paused)?;
     if let (Some(path), Some(source)) = (&opts.api_socket, running.fork_source()) {
         let listener = bind(path)?;
         let opts = opts.clone();
@@ -153,6 +155,14 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 pid: std::process::id(),
                 name: opts.name.clone(),
                 ..Reply::default()
+            },
+            Request::Resume => match source.resume() {
+                Ok(()) => Reply {
+                    pid: std::process::id(),
+                    name: opts.name.clone(),
+                    ..Reply::default()
+                },
+                Err(e) => Reply::error(format!("cannot resume: {e}")),
             },
             Request::Fork {
                 children,
@@ -456,6 +466,7 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 fn continuation_identity(config: &VmConfig, opts: &ProcessOptions) -> Identity {
     Identity {
         name: opts.name.clone(),
+        start_paused: false,
         console_log: config.console_log.clone().unwrap_or_default(),
         console_socket: config.console_socket.clone(),
         log: PathBuf::new(),
@@ -538,6 +549,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         name: id.name.clone(),
         api_socket: Some(id.api_socket.clone()).filter(|p| !p.as_os_str().is_empty()),
         exit_file: Some(id.exit_file.clone()).filter(|p| !p.as_os_str().is_empty()),
+        start_paused: mode == Mode::Child && id.start_paused,
     };
     let pid = std::process::id();
     let exit = serve(vmm, opts, || {

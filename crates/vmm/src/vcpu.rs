@@ -575,16 +575,28 @@ impl Vcpu {
     /// Starts the vCPU thread. It runs until the guest or a device reports
     /// an exit, dispatching every exit to the port-I/O or MMIO bus, and
     /// serves [`VcpuRequest`]s sent on the returned thread's channel.
+    /// With `paused`, a Pause is queued before the thread exists: it parks
+    /// before its first KVM_RUN, so no guest instruction runs until a
+    /// Resume (the caller reads the Paused reply).
     pub fn start(
         self,
         pio: Arc<Bus>,
         mmio: Arc<Bus>,
         exit: Arc<ExitNotifier>,
+        paused: bool,
     ) -> Result<VcpuThread, VcpuError> {
         let index = self.index;
         install_kick_handler().map_err(VcpuError::KickHandler)?;
         let (req_tx, req_rx) = std::sync::mpsc::channel();
         let (rep_tx, rep_rx) = std::sync::mpsc::channel();
+        if paused {
+            req_tx
+                .send(VcpuRequest::Pause)
+                .map_err(|_| VcpuError::Spawn {
+                    index,
+                    source: std::io::Error::other("request channel closed"),
+                })?;
+        }
         let handle = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .spawn(move || {

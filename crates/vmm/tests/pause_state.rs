@@ -310,8 +310,14 @@ fn test_restored_vm_continues_counting() {
         Arc::new(pio),
         Arc::new(Bus::new()),
         Arc::new(ExitNotifier::new()),
+        true,
     )
     .expect("start child");
+    // Started parked (as a fork child waiting for its wake-up): it runs
+    // nothing until resumed.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(read(&child_log), "", "a child started paused ran");
+    child.handle().resume().expect("resume the child");
 
     // The parent stays paused; the child picks up exactly where it was: the
     // parent's output up to the pause followed by the child's is one

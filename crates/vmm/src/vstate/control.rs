@@ -74,6 +74,8 @@ impl RunningVmm {
     /// Starts one thread per vCPU on `vm` and `mem` (a built vm, or one
     /// rebuilt by [`crate::vstate::restore_machine`]). Device threads are
     /// the caller's.
+    /// With `paused` no vCPU runs guest code until [`VmmHandle::resume`]
+    /// (a fork child waiting for its wake-up step).
     pub fn start(
         vm: Vm,
         mem: GuestMemoryMmap,
@@ -81,10 +83,24 @@ impl RunningVmm {
         pio: Arc<Bus>,
         mmio: Arc<Bus>,
         exit: Arc<ExitNotifier>,
+        paused: bool,
     ) -> Result<Self, VcpuError> {
         let mut threads = Vec::with_capacity(vcpus.len());
         for vcpu in vcpus {
-            threads.push(vcpu.start(pio.clone(), mmio.clone(), exit.clone())?);
+            threads.push(vcpu.start(pio.clone(), mmio.clone(), exit.clone(), paused)?);
+        }
+        if paused {
+            for t in &threads {
+                match t.replies.recv() {
+                    Ok(VcpuReply::Paused) => {}
+                    _ => {
+                        return Err(VcpuError::Spawn {
+                            index: t.index,
+                            source: std::io::Error::other("vCPU did not park at start"),
+                        })
+                    }
+                }
+            }
         }
         Ok(Self {
             source: None,
@@ -93,10 +109,7 @@ impl RunningVmm {
                     vm,
                     mem,
                     exit,
-                    vcpus: Mutex::new(Vcpus {
-                        threads,
-                        paused: false,
-                    }),
+                    vcpus: Mutex::new(Vcpus { threads, paused }),
                 }),
             },
         })
