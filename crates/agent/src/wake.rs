@@ -140,7 +140,7 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
         });
         return report(steps, false, t0, cpu0);
     }
-    step(&mut steps, "clock".into(), || clock(w, ctx));
+    step(&mut steps, "clock".into(), || clock(w, t0, ctx));
     step(&mut steps, "hostname".into(), || hostname(w, ctx));
     step(&mut steps, "machine_id".into(), || machine_id(w, ctx));
     step(&mut steps, "connections".into(), || connections(w, ctx));
@@ -252,10 +252,13 @@ fn realtime_ns() -> i128 {
     }
 }
 
-fn clock(w: &Wake, ctx: &Ctx) -> StepResult {
+/// Steps to the host's time as sent, plus how long this wake has run so
+/// far (the randomness step comes first and can take a while).
+fn clock(w: &Wake, received: Instant, ctx: &Ctx) -> StepResult {
     let Some(host) = w.host_time_ns else {
         return Ok(Done::Skipped("virtual time kept".into()));
     };
+    let host = host.saturating_add(u64::try_from(received.elapsed().as_nanos()).unwrap_or(0));
     let step_s = (i128::from(host) - realtime_ns()) as f64 / 1e9;
     if ctx.sandbox() {
         return Ok(Done::Skipped(format!("sandbox: would step {step_s:+.3} s")));

@@ -334,6 +334,11 @@ pub fn wake_one(vm: &VmDir, w: Wake) -> Woken {
         }
         let mut s = agent_client::connect(&vsock, WAKE_TIMEOUT)?;
         s.set_read_timeout(Some(WAKE_TIMEOUT))?;
+        // The host's time as of sending, not of building the message.
+        let mut w = w;
+        if w.host_time_ns.is_some() {
+            w.host_time_ns = Some(now_ns());
+        }
         Ok(protocol::wake(&mut s, w)?)
     })();
     let wake_ms = t0.elapsed().as_secs_f64() * 1000.0;

@@ -146,6 +146,25 @@ impl Vm {
         Ok(self.supported_cpuid.get_or_init(|| c))
     }
 
+    /// The guest's kvmclock now (KVM_GET_CLOCK).
+    pub fn clock(&self) -> Result<u64, VmError> {
+        self.fd
+            .get_clock()
+            .map(|c| c.clock)
+            .map_err(|e| VmError::Kvm("KVM_GET_CLOCK", e))
+    }
+
+    /// Sets the guest's kvmclock (KVM_SET_CLOCK); with no vCPU running.
+    pub fn set_clock(&self, ns: u64) -> Result<(), VmError> {
+        let clock = kvm_clock_data {
+            clock: ns,
+            ..Default::default()
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(|e| VmError::Kvm("KVM_SET_CLOCK", e))
+    }
+
     /// Saves the irqchip (PIC master, PIC slave, IOAPIC), PIT and kvmclock.
     /// Call with every vCPU paused.
     pub fn save_state(&self) -> Result<VmState, VmError> {
@@ -188,13 +207,7 @@ impl Vm {
         self.fd
             .set_pit2(&state.pit)
             .map_err(|e| VmError::Kvm("KVM_SET_PIT2", e))?;
-        let clock = kvm_clock_data {
-            clock: state.clock.clock,
-            ..Default::default()
-        };
-        self.fd
-            .set_clock(&clock)
-            .map_err(|e| VmError::Kvm("KVM_SET_CLOCK", e))?;
+        self.set_clock(state.clock.clock)?;
         for (chip, what) in [
             (&state.pic_master, "KVM_SET_IRQCHIP (PIC master)"),
             (&state.pic_slave, "KVM_SET_IRQCHIP (PIC slave)"),

@@ -49,6 +49,11 @@ struct Inner {
     /// Held by the controller for a whole pause/resume/save; never touched
     /// by vCPU threads.
     vcpus: Mutex<Vcpus>,
+    /// A vm started paused: its kvmclock at start. KVM's clock runs on
+    /// while the vCPUs are parked; the first resume sets it back, so the
+    /// guest's time continues from its moment, not from how long it waited
+    /// for its wake.
+    held_clock: Mutex<Option<u64>>,
 }
 
 struct Vcpus {
@@ -102,6 +107,7 @@ impl RunningVmm {
                 }
             }
         }
+        let held_clock = if paused { vm.clock().ok() } else { None };
         Ok(Self {
             source: None,
             handle: VmmHandle {
@@ -109,6 +115,7 @@ impl RunningVmm {
                     vm,
                     mem,
                     exit,
+                    held_clock: Mutex::new(held_clock),
                     vcpus: Mutex::new(Vcpus { threads, paused }),
                 }),
             },
@@ -172,6 +179,18 @@ impl VmmHandle {
         self.check_running()?;
         if !vcpus.paused {
             return Err(ControlError::NotPaused);
+        }
+        let held = self
+            .inner
+            .held_clock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(ns) = held {
+            // Best effort: a clock that cannot be set back only runs ahead.
+            if let Err(e) = self.inner.vm.set_clock(ns) {
+                tracing::warn!("cannot set the held kvmclock back: {e}");
+            }
         }
         for t in &vcpus.threads {
             t.requests
