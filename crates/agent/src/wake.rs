@@ -138,8 +138,13 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
             detail: detail.into(),
             micros: 0,
         });
-        return report(steps, false, t0, cpu0);
+        return report(steps, false, t0, cpu0, String::new());
     }
+    let sample = if ctx.sandbox() {
+        String::new()
+    } else {
+        sample()
+    };
     step(&mut steps, "clock".into(), || clock(w, t0, ctx));
     step(&mut steps, "hostname".into(), || hostname(w, ctx));
     step(&mut steps, "machine_id".into(), || machine_id(w, ctx));
@@ -160,15 +165,34 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
     if w.run_hooks {
         hooks(&mut steps, w, ctx);
     }
-    report(steps, true, t0, cpu0)
+    report(steps, true, t0, cpu0, sample)
 }
 
-fn report(steps: Vec<WakeStep>, randomness_ok: bool, t0: Instant, cpu0: u64) -> WakeReport {
+/// 16 bytes from the kernel's CRNG (getrandom), hex; empty on failure.
+fn sample() -> String {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom writes at most 16 bytes into the live buffer.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), libc::GRND_NONBLOCK) };
+    if n == b.len() as isize {
+        protocol::wake::to_hex(&b)
+    } else {
+        String::new()
+    }
+}
+
+fn report(
+    steps: Vec<WakeStep>,
+    randomness_ok: bool,
+    t0: Instant,
+    cpu0: u64,
+    sample_hex: String,
+) -> WakeReport {
     WakeReport {
         steps,
         randomness_ok,
         cpu_micros: cpu_micros().saturating_sub(cpu0),
         wall_micros: t0.elapsed().as_micros() as u64,
+        sample_hex,
     }
 }
 
