@@ -409,21 +409,17 @@ pub fn checkpoint(
             bail!("vm {name:?} has a checkpoint {tag:?}; choose another --tag");
         }
     }
-    let contract = vm.read_contract()?;
-    let round = wake::Round::new(&contract)?;
     let t0 = Instant::now();
-    let quiesced = wake::quiesce(&vm, &r)?;
-    let res = call(
-        &vm.api_socket(),
+    let (res, woken) = moment_of(
+        &vm,
+        &r,
         &Request::Checkpoint {
             tag: tag.clone(),
             socket: dir.join(format!("{tag}.sock")),
             layers_dir: state::layers_dir(home),
         },
-    )
-    .with_context(|| format!("cannot checkpoint {name:?}"));
-    let woken = wake_parent(&vm, &r, &round, quiesced.is_some())?;
-    let call = res?;
+    )?;
+    let call = res.with_context(|| format!("cannot checkpoint {name:?}"))?;
     let reply = &call.reply.clone();
     if let Some(pid) = reply.template_pid {
         let rec = CheckpointRecord {
@@ -447,18 +443,23 @@ pub fn checkpoint(
     report_problems(&woken.map(|w| w.failures()).unwrap_or_default())
 }
 
-/// After a moment was taken of a quiesced vm: the vm itself goes on.
-fn wake_parent(
+/// Quiesces the vm, asks its VMM for a moment (`req`: a checkpoint or a
+/// snapshot), and wakes the vm going on, whether the moment was taken or
+/// not. Returns the VMM's answer and the vm's wake.
+fn moment_of(
     vm: &VmDir,
     r: &VmRecord,
-    round: &wake::Round,
-    quiesced: bool,
-) -> anyhow::Result<Option<wake::Woken>> {
-    if !quiesced {
-        return Ok(None);
-    }
-    let w = round.message(Role::Parent, r, &[])?;
-    Ok(Some(wake::wake_one(vm, w)))
+    req: &Request,
+) -> anyhow::Result<(anyhow::Result<api::Call>, Option<wake::Woken>)> {
+    let contract = vm.read_contract()?;
+    let round = wake::Round::new(&contract)?;
+    let quiesced = wake::quiesce(vm, r)?;
+    let res = call(&vm.api_socket(), req);
+    let woken = match quiesced {
+        Some(_) => Some(wake::wake_one(vm, round.message(Role::Parent, r, &[])?)),
+        None => None,
+    };
+    Ok((res, woken))
 }
 
 fn read_checkpoint(path: &Path) -> anyhow::Result<CheckpointRecord> {
@@ -568,21 +569,17 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
             dir.display()
         );
     }
-    let contract = vm.read_contract()?;
-    let round = wake::Round::new(&contract)?;
     let t0 = Instant::now();
-    let quiesced = wake::quiesce(&vm, &r)?;
-    let res = call(
-        &vm.api_socket(),
+    let (res, woken) = moment_of(
+        &vm,
+        &r,
         &Request::Snapshot {
             dir: dir.clone(),
             layers_dir: state::layers_dir(home),
-            contract: Some(contract.to_toml()),
+            contract: Some(vm.read_contract()?.to_toml()),
         },
-    )
-    .with_context(|| format!("cannot snapshot {name:?}"));
-    let woken = wake_parent(&vm, &r, &round, quiesced.is_some())?;
-    let call = res?;
+    )?;
+    let call = res.with_context(|| format!("cannot snapshot {name:?}"))?;
     let reply = &call.reply.clone();
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;

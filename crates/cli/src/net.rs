@@ -134,50 +134,40 @@ pub fn configure_taps(taps: &[(String, Lease)]) -> anyhow::Result<()> {
             l.ip
         ));
     }
-    let mut child = Command::new("ip")
-        .args(["-batch", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot run ip (is iproute2 installed?)")?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .context("cannot write to ip")?;
-    }
-    let out = child.wait_with_output().context("ip failed")?;
-    if !out.status.success() {
-        bail!(
-            "configuring the host side of the taps failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    run_script("ip", &["-batch", "-"], &script, "(is iproute2 installed?)")
+        .context("configuring the host side of the taps failed")
 }
 
 /// Feeds a script to `nft -f -`.
 fn nft(script: &str) -> anyhow::Result<()> {
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
+    run_script(
+        "nft",
+        &["-f", "-"],
+        script,
+        "tine isolates vm networks with nftables (apt-get install nftables)",
+    )
+    .with_context(|| format!("nft rejected tine's rules:\n{script}"))
+}
+
+/// Runs `prog args` with `script` on its stdin; its stderr is the error.
+fn run_script(prog: &str, args: &[&str], script: &str, hint: &str) -> anyhow::Result<()> {
+    let mut child = Command::new(prog)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .context(
-            "cannot run nft: tine isolates vm networks with nftables (apt-get install nftables)",
-        )?;
+        .with_context(|| format!("cannot run {prog}: {hint}"))?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(script.as_bytes())
-            .context("cannot write to nft")?;
+            .with_context(|| format!("cannot write to {prog}"))?;
     }
-    let out = child.wait_with_output().context("nft failed")?;
+    let out = child
+        .wait_with_output()
+        .with_context(|| format!("{prog} failed"))?;
     if !out.status.success() {
-        bail!(
-            "nft rejected tine's rules: {}\n--- rules ---\n{script}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("{}", String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(())
 }

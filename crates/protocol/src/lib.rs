@@ -33,9 +33,8 @@ use std::io::{self, Read, Write};
 pub mod client;
 pub mod wake;
 pub use client::{
-    connect_vsock_uds, exec, hello, hello_as, ping, quiesce, read_file, shutdown,
-    vsock_handshake, wake, write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo,
-    Pong,
+    connect_vsock_uds, exec, hello, hello_as, ping, quiesce, read_file, shutdown, vsock_handshake,
+    wake, write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo, Pong,
 };
 pub use wake::{QuiesceReport, Wake, WakeReport};
 
