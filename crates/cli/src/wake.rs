@@ -367,24 +367,53 @@ pub fn wake_one(vm: &VmDir, w: Wake) -> Woken {
     }
 }
 
-/// Wakes every copy at once; the result is in the order given.
+/// Wakes every copy, as many at a time as the host has CPUs (a wake is
+/// mostly guest CPU work: more at once only queues them); the result is in
+/// the order given.
 pub fn wake_all(copies: Vec<(VmDir, Wake)>) -> Vec<Woken> {
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = copies
-            .into_iter()
-            .map(|(vm, w)| sc.spawn(move || wake_one(&vm, w)))
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .min(copies.len().max(1));
+    let names: Vec<(String, Role)> = copies
+        .iter()
+        .map(|(vm, w)| (vm.name.clone(), w.role))
+        .collect();
+    let queue = std::sync::Mutex::new(copies.into_iter().enumerate());
+    let mut out: Vec<(usize, Woken)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                        let Some((i, (vm, w))) = next else { break };
+                        done.push((i, wake_one(&vm, w)));
+                    }
+                    done
+                })
+            })
             .collect();
         handles
             .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| Woken {
-                    name: String::new(),
-                    role: Role::Child,
-                    wake_ms: 0.0,
-                    report: None,
-                    error: Some("the wake thread panicked".into()),
-                })
-            })
+            .flat_map(|h| h.join().unwrap_or_default())
             .collect()
-    })
+    });
+    out.sort_by_key(|(i, _)| *i);
+    // A copy whose worker died is reported as not woken (so not ready).
+    let mut out = out.into_iter().peekable();
+    names
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, role))| match out.next_if(|(j, _)| *j == i) {
+            Some((_, w)) => w,
+            None => Woken {
+                name,
+                role,
+                wake_ms: 0.0,
+                report: None,
+                error: Some("the wake thread panicked".into()),
+            },
+        })
+        .collect()
 }
