@@ -2,6 +2,8 @@
 //! the real protocol client. `TINE_AGENT_BIN` runs them against another
 //! build (e.g. the static one from scripts/build-agent).
 
+mod common;
+
 use std::io::{self, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
@@ -13,12 +15,6 @@ use std::time::{Duration, Instant};
 use protocol::{
     read_frame, send, ClientError, ErrorKind, ExecRequest, Frame, Message, PROTOCOL_VERSION,
 };
-
-fn agent_bin() -> PathBuf {
-    std::env::var_os("TINE_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tine-agent")))
-}
 
 /// A temporary directory removed on drop.
 struct TempDir(PathBuf);
@@ -54,22 +50,7 @@ impl Agent {
     fn start() -> Self {
         let dir = TempDir::new();
         let sock = dir.0.join("agent.sock");
-        let child = Command::new(agent_bin())
-            .arg("serve")
-            .arg("--unix")
-            .arg(&sock)
-            .arg("--exit-on-shutdown")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn agent");
-        let t = Instant::now();
-        while UnixStream::connect(&sock).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "agent did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let child = common::serve(&sock, &[]);
         Self { child, sock, dir }
     }
 
@@ -560,7 +541,7 @@ fn test_stale_socket_is_replaced() {
     a.child_kill().expect("kill");
     // The socket file is still there; a new agent takes it over.
     assert!(sock.exists());
-    let mut child = Command::new(agent_bin())
+    let mut child = Command::new(common::agent_bin())
         .args(["serve", "--unix"])
         .arg(&sock)
         .stdin(Stdio::null())
@@ -630,7 +611,7 @@ fn test_tcp_listener() {
         .expect("free port")
         .port();
     let addr = format!("127.0.0.1:{port}");
-    let mut child = Command::new(agent_bin())
+    let mut child = Command::new(common::agent_bin())
         .args(["serve", "--tcp", &addr])
         .stdin(Stdio::null())
         .spawn()

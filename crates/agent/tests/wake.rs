@@ -3,11 +3,13 @@
 //! under a temporary root; system-wide ones are reported as skipped.
 //! `TINE_AGENT_BIN` runs them against another build.
 
+mod common;
+
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -15,12 +17,6 @@ use protocol::wake::{
     to_hex, Randomness, Role, SecretAction, StepStatus, Wake, WakeNet, WakeReport, WakeSecret,
     WakeStep,
 };
-
-fn agent_bin() -> PathBuf {
-    std::env::var_os("TINE_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tine-agent")))
-}
 
 /// An agent serving on a Unix socket with `--root`; killed on drop, its
 /// directory removed.
@@ -41,24 +37,8 @@ impl Sandbox {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(dir.join("root")).expect("mkdir");
         let sock = dir.join("agent.sock");
-        let child = Command::new(agent_bin())
-            .arg("serve")
-            .arg("--unix")
-            .arg(&sock)
-            .arg("--exit-on-shutdown")
-            .arg("--root")
-            .arg(dir.join("root"))
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn agent");
-        let t = Instant::now();
-        while UnixStream::connect(&sock).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "agent did not listen"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let root = dir.join("root");
+        let child = common::serve(&sock, &["--root".as_ref(), root.as_os_str()]);
         Self { child, sock, dir }
     }
 
