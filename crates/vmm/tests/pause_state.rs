@@ -1,18 +1,20 @@
 //! Pause/resume and vCPU + VM-level state on real KVM, with the `counter`
 //! micro guest (it prints `CNT <n>` every 100 ms).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::copy_memory;
 use serde_json::Value;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm::arch::x86_64::layout;
 use vmm::devices::legacy::serial::{COM1_LEN, COM1_PORT};
 use vmm::devices::legacy::{ConsoleOutput, SerialDevice};
 use vmm::devices::Bus;
 use vmm::exit::ExitNotifier;
-use vmm::memory::{create_guest_memory, GuestMemoryMmap};
+use vmm::memory::GuestMemoryMmap;
 use vmm::vstate::restore_machine;
 use vmm::{MachineState, RunningVmm, VmConfig};
 use vmm_sys_util::eventfd::EventFd;
@@ -79,21 +81,6 @@ fn assert_consecutive(c: &[u64]) {
     for w in c.windows(2) {
         assert_eq!(w[1], w[0] + 1, "counter skipped or repeated: {c:?}");
     }
-}
-
-/// A private copy of guest memory with the same layout.
-fn copy_memory(mem: &GuestMemoryMmap) -> GuestMemoryMmap {
-    let regions: Vec<(GuestAddress, usize)> = mem
-        .iter()
-        .map(|r| (r.start_addr(), r.len() as usize))
-        .collect();
-    let copy = create_guest_memory(&regions).expect("guest memory");
-    for (addr, len) in regions {
-        let mut buf = vec![0u8; len];
-        mem.read_slice(&mut buf, addr).expect("read guest memory");
-        copy.write_slice(&buf, addr).expect("write guest memory");
-    }
-    copy
 }
 
 /// Every path where `a` and `b` differ, as `a.b[3].c`.

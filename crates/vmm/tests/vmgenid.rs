@@ -3,13 +3,15 @@
 //! own, and the copy runs on (the GED interrupt raised for it breaks
 //! nothing). Micro guest on this machine's /dev/kvm.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use common::copy_memory;
 use vmm::builder::restore_prepared;
 use vmm::devices::legacy::vmgenid::{read_id, VMGENID_LEN};
-use vmm::memory::{create_guest_memory, GuestMemoryMmap, RamBacking};
+use vmm::memory::RamBacking;
 use vmm::VmConfig;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -52,21 +54,6 @@ fn wait_for_counts(log: &Path, lines: usize) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// A private copy of guest memory with the same layout.
-fn copy_memory(mem: &GuestMemoryMmap) -> GuestMemoryMmap {
-    let regions: Vec<(GuestAddress, usize)> = mem
-        .iter()
-        .map(|r| (r.start_addr(), r.len() as usize))
-        .collect();
-    let copy = create_guest_memory(&regions).expect("guest memory");
-    for (addr, len) in regions {
-        let mut buf = vec![0u8; len];
-        mem.read_slice(&mut buf, addr).expect("read guest memory");
-        copy.write_slice(&buf, addr).expect("write guest memory");
-    }
-    copy
 }
 
 #[test]
