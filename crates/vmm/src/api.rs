@@ -43,6 +43,34 @@ pub enum Request {
     Drop,
     /// Let a vm started paused (a child with `start_paused`) run.
     Resume,
+    /// [`Request::Snapshot`] with memory as a layer for the store
+    /// (docs/design/store.md, "Memory layers in the VMM"): `dir` gets
+    /// `state`, `manifest.json` (with `memory_layer`) and `memory.layer`
+    /// instead of `memory`. A diff layer (only pages dirtied since the
+    /// vm's dirty base) unless `full` or the vm has no base; the reply's
+    /// `layer` says which. With `rebase`, the vm's continuation starts an
+    /// empty dirty set relative to that label (the id the caller stores
+    /// this snapshot under). The vm runs on meanwhile, as for Snapshot.
+    SnapshotLayer {
+        dir: PathBuf,
+        layers_dir: PathBuf,
+        #[serde(default)]
+        contract: Option<String>,
+        #[serde(default)]
+        full: bool,
+        #[serde(default)]
+        rebase: Option<String>,
+    },
+    /// Turn dirty tracking on (KVM's dirty log; a no-op if on). The set
+    /// has no base until a `SnapshotLayer` with `rebase`.
+    TrackDirty,
+    /// Lazy page-in counters of a woken vm (`pagein` in the reply; None
+    /// for other vms); with `working_set_to`, also write the working set
+    /// recorded so far there (JSON, [`crate::pagein::WorkingSet`]).
+    PageIn {
+        #[serde(default)]
+        working_set_to: Option<PathBuf>,
+    },
 }
 
 /// The host side of a vm: what a forked or restored vm gets as its own.
@@ -103,6 +131,15 @@ pub struct Reply {
     pub snapshot_ms: Option<f64>,
     /// Snapshot: bytes of memory written (sparse file, data only).
     pub memory_bytes: Option<u64>,
+    /// SnapshotLayer: what the memory layer holds.
+    #[serde(default)]
+    pub layer: Option<crate::layer::LayerInfo>,
+    /// The vm's dirty tracking (TrackDirty, SnapshotLayer: after it).
+    #[serde(default)]
+    pub dirty: Option<crate::dirty::DirtyTracking>,
+    /// PageIn: the counters of a lazily woken vm.
+    #[serde(default)]
+    pub pagein: Option<crate::pagein::PageInStats>,
 }
 
 impl Reply {

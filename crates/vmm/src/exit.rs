@@ -50,6 +50,9 @@ impl std::fmt::Display for GuestExit {
 #[derive(Debug, Default)]
 pub struct ExitNotifier {
     reason: Mutex<Option<GuestExit>>,
+    /// What failed, for an exit the VMM caused (e.g. a page that could not
+    /// be paged in); written to the exit record.
+    detail: Mutex<Option<String>>,
     cond: Condvar,
 }
 
@@ -66,6 +69,25 @@ impl ExitNotifier {
             *r = Some(exit);
             self.cond.notify_all();
         }
+    }
+
+    /// Reports an exit the VMM caused, with what failed (kept only if this
+    /// is the first exit reported).
+    pub fn fail(&self, exit: GuestExit, detail: String) {
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_none() {
+            *self.detail.lock().unwrap_or_else(|e| e.into_inner()) = Some(detail);
+            *r = Some(exit);
+            self.cond.notify_all();
+        }
+    }
+
+    /// What failed, if the exit was reported by [`ExitNotifier::fail`].
+    pub fn detail(&self) -> Option<String> {
+        self.detail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The exit reported so far, if any.

@@ -31,8 +31,10 @@ use crate::devices::legacy::SerialDevice;
 use crate::devices::park::{ParkControl, ParkError};
 use crate::devices::persist::{DeviceStates, Persist};
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::dirty::{self, DirtyTracking, PageBitmap};
 use crate::memory::{self, GuestMemoryMmap, MemoryError, RamBacking};
 use crate::moment::{DeviceLayout, Moment};
+use crate::pagein::{PageIn, PageInError};
 use crate::vcpu::Vcpu;
 use crate::vm::Vm;
 use crate::vstate::{prepare_machine, ControlError, VmmHandle};
@@ -70,6 +72,8 @@ pub enum ForkError {
     ChildTimeout(Duration),
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    #[error("Cannot make the lazily paged-in memory resident before the fork")]
+    PageIn(#[source] PageInError),
 }
 
 /// The devices' side of a running vm, for saving them.
@@ -122,6 +126,7 @@ pub struct ForkSource {
     backing: RamBacking,
     tap_fds: Vec<i32>,
     busy: Mutex<()>,
+    pagein: Option<Arc<PageIn>>,
 }
 
 impl ForkSource {
@@ -132,6 +137,7 @@ impl ForkSource {
         mem: GuestMemoryMmap,
         backing: RamBacking,
         tap_fds: Vec<i32>,
+        pagein: Option<Arc<PageIn>>,
     ) -> Self {
         Self {
             handle,
@@ -141,6 +147,23 @@ impl ForkSource {
             backing,
             tap_fds,
             busy: Mutex::new(()),
+            pagein,
+        }
+    }
+
+    /// The vm's lazy page-in, if it was woken that way.
+    pub fn pagein(&self) -> Option<&Arc<PageIn>> {
+        self.pagein.as_ref()
+    }
+
+    /// Makes lazily paged-in RAM resident and unregisters it (see
+    /// [`crate::pagein`]), while the vm runs: needed before any fork(2)
+    /// whose processes read all of RAM (children, templates, full
+    /// snapshots). Nothing to do for other vms.
+    pub fn make_resident(&self) -> Result<(), ForkError> {
+        match &self.pagein {
+            Some(p) => p.make_resident().map_err(ForkError::PageIn),
+            None => Ok(()),
         }
     }
 
@@ -180,7 +203,13 @@ impl ForkSource {
             .park
             .park()
             .map_err(ForkError::from)
-            .and_then(|()| self.handle.save_state().map_err(ForkError::Pause));
+            .and_then(|()| self.handle.save_state().map_err(ForkError::Pause))
+            .and_then(|m| {
+                // The dirty set of the moment: forked processes inherit
+                // it with the memory's bitmaps.
+                self.handle.collect_dirty().map_err(ForkError::Pause)?;
+                Ok(m)
+            });
         let machine = match saved {
             Ok(m) => m,
             Err(e) => {
@@ -219,6 +248,8 @@ impl ForkSource {
             started,
             started_ns,
             thawed: false,
+            dirty: self.handle.dirty_tracking(),
+            rebase: None,
         };
         if let Err(e) = res {
             let _ = frozen.thaw_in_place();
@@ -264,6 +295,11 @@ impl ForkSource {
                 let Ok(h) = serde_json::from_slice::<Handover>(&data) else {
                     return 1;
                 };
+                // This standby was forked before the moment: it takes the
+                // moment's dirty set from the handover.
+                if let Some(pages) = &h.dirty_pages {
+                    dirty::replace(&self.mem, pages);
+                }
                 let mut off = Offspring {
                     prepared,
                     parts: ForkParts {
@@ -273,6 +309,8 @@ impl ForkSource {
                         config: self.config.clone(),
                         disks: h.disks,
                         tap_fds: self.tap_fds.clone(),
+                        dirty: h.dirty,
+                        reset_dirty: false,
                     },
                     report,
                 };
@@ -405,6 +443,10 @@ impl Standby {
 struct Handover {
     moment: Moment,
     disks: Vec<FrozenDisk>,
+    /// The continuation's dirty tracking.
+    dirty: DirtyTracking,
+    /// The dirty set of the moment (empty: reset; None: tracking off).
+    dirty_pages: Option<PageBitmap>,
 }
 
 fn pipe() -> Result<(File, File), ForkError> {
@@ -445,6 +487,12 @@ pub struct ForkParts {
     pub config: VmConfig,
     pub disks: Vec<FrozenDisk>,
     pub tap_fds: Vec<i32>,
+    /// Dirty tracking of the moment (the set itself is in `mem`'s
+    /// bitmaps, inherited by fork(2)).
+    pub dirty: DirtyTracking,
+    /// Empty the dirty set in the new process (a continuation whose
+    /// moment was just stored as its new base).
+    pub reset_dirty: bool,
 }
 
 /// A paused vm with its moment saved and disks frozen (step 1 done).
@@ -457,6 +505,10 @@ pub struct Frozen<'a> {
     started: Instant,
     started_ns: u64,
     thawed: bool,
+    /// Dirty tracking at the moment.
+    dirty: DirtyTracking,
+    /// The continuation's new dirty base, if the moment is being stored.
+    rebase: Option<String>,
 }
 
 /// What the body of a forked process gets.
@@ -557,6 +609,48 @@ impl Frozen<'_> {
             config: self.source.config.clone(),
             disks: self.disks.clone(),
             tap_fds: self.source.tap_fds.clone(),
+            dirty: self.dirty.clone(),
+            reset_dirty: false,
+        }
+    }
+
+    /// The moment is being stored as `base`: the vm's continuation starts
+    /// an empty dirty set relative to it (children keep the old base).
+    pub fn rebase_continuation(&mut self, base: String) {
+        self.rebase = Some(base);
+    }
+
+    /// The continuation's dirty tracking.
+    fn continuation_dirty(&self) -> DirtyTracking {
+        match &self.rebase {
+            Some(b) => DirtyTracking {
+                enabled: true,
+                base: Some(b.clone()),
+            },
+            None => self.dirty.clone(),
+        }
+    }
+
+    /// What the vm's own continuation continues from.
+    pub fn continuation_parts(&self) -> ForkParts {
+        ForkParts {
+            dirty: self.continuation_dirty(),
+            reset_dirty: self.rebase.is_some(),
+            ..self.parts()
+        }
+    }
+
+    /// For a vm that goes on in this process ([`Frozen::resume_here`]):
+    /// empties its dirty set now, before it runs again, if the moment is
+    /// being stored.
+    pub fn rebase_here(&self) -> Result<(), ForkError> {
+        match &self.rebase {
+            Some(b) => self
+                .source
+                .handle
+                .rebase_dirty_paused(Some(b.clone()))
+                .map_err(ForkError::Pause),
+            None => Ok(()),
         }
     }
 
@@ -567,9 +661,17 @@ impl Frozen<'_> {
             spawned,
             mut handover,
         } = standby;
+        let dirty = self.continuation_dirty();
+        let dirty_pages = if self.rebase.is_some() {
+            Some(PageBitmap::default())
+        } else {
+            dirty.enabled.then(|| dirty::read(&self.source.mem))
+        };
         let h = Handover {
             moment: self.moment.clone(),
             disks: self.disks.clone(),
+            dirty,
+            dirty_pages,
         };
         let bytes = serde_json::to_vec(&h).map_err(|e| ForkError::Child(e.to_string()))?;
         handover
@@ -710,10 +812,14 @@ fn child_main(
         RamBacking::SharedMemfd => memory::make_private(&parts.mem),
         RamBacking::Private => Ok(()),
     };
+    if parts.reset_dirty {
+        dirty::replace(&parts.mem, &PageBitmap::default());
+    }
     let mut off = Offspring {
         prepared: None,
         parts: ForkParts {
             backing: RamBacking::Private,
+            reset_dirty: false,
             tap_fds: if keep_taps {
                 parts.tap_fds.clone()
             } else {

@@ -13,13 +13,17 @@ pub mod builder;
 pub mod compat;
 pub mod config;
 pub mod devices;
+pub mod dirty;
 pub mod exit;
 pub mod fork;
+pub mod layer;
 pub mod memory;
 pub mod moment;
+pub mod pagein;
 pub mod process;
 pub mod snapshot_dir;
 pub mod state;
+mod uffd;
 pub mod vcpu;
 pub mod vm;
 pub mod vstate;
@@ -31,9 +35,11 @@ use crate::builder::Devices;
 use crate::config::VmConfig as Config;
 use crate::devices::legacy::SerialDevice;
 use crate::devices::Bus;
+use crate::dirty::DirtyTracking;
 use crate::exit::{ExitNotifier, GuestExit};
 use crate::fork::ForkSource;
 use crate::memory::{GuestMemoryMmap, RamBacking};
+use crate::pagein::{PageIn, PageInError};
 use crate::vcpu::{Vcpu, VcpuError};
 use crate::vm::Vm;
 
@@ -55,6 +61,10 @@ pub struct Vmm {
     serial: Arc<Mutex<SerialDevice>>,
     devices: Devices,
     config: Config,
+    /// Dirty tracking to turn on before the vCPUs start.
+    dirty: DirtyTracking,
+    /// Lazy page-in of this vm's RAM, if it was woken that way.
+    pagein: Option<Arc<PageIn>>,
 }
 
 /// Errors while running a vm.
@@ -66,6 +76,8 @@ pub enum RunError {
     Thread(&'static str, #[source] std::io::Error),
     #[error("Cannot listen on the console socket {0}")]
     ConsoleSocket(std::path::PathBuf, #[source] std::io::Error),
+    #[error("Cannot turn on dirty tracking")]
+    DirtyTracking(#[source] crate::vm::VmError),
 }
 
 impl Vmm {
@@ -90,7 +102,31 @@ impl Vmm {
             serial: devices.serial.clone(),
             devices,
             config,
+            dirty: DirtyTracking::default(),
+            pagein: None,
         }
+    }
+
+    /// Tracks dirty pages from the first instruction on, relative to
+    /// `t.base` (see [`dirty`]): KVM's dirty log is turned on before the
+    /// vCPUs start. A forked or restored vm is given the tracking of the
+    /// moment it continues from; a vm woken from a stored snapshot, that
+    /// snapshot's label.
+    pub fn track_dirty(&mut self, t: DirtyTracking) {
+        self.dirty = t;
+    }
+
+    /// Makes `pagein` part of this vm: a failed fill ends it, and a fork
+    /// makes its RAM resident first. Fails if a fill failed already.
+    pub fn attach_pagein(&mut self, pagein: Arc<PageIn>) -> Result<(), PageInError> {
+        pagein.attach(self.exit.clone())?;
+        self.pagein = Some(pagein);
+        Ok(())
+    }
+
+    /// The lazy page-in of this vm, if any.
+    pub fn pagein(&self) -> Option<&Arc<PageIn>> {
+        self.pagein.as_ref()
     }
 
     /// Runs the vm until it exits; returns why.
@@ -150,9 +186,15 @@ impl Vmm {
             }
         })?;
         let mem = self.mem.clone();
+        if self.dirty.enabled {
+            self.vm
+                .set_dirty_logging(&self.mem, true)
+                .map_err(RunError::DirtyTracking)?;
+        }
         let running = RunningVmm::start(
             self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit, paused,
         )?;
+        running.handle().set_dirty_tracking(self.dirty);
         let source = ForkSource::new(
             running.handle(),
             fork::DeviceControl {
@@ -164,6 +206,7 @@ impl Vmm {
             mem,
             self.backing,
             tap_fds,
+            self.pagein,
         );
         Ok(running.with_fork_source(Arc::new(source)))
     }

@@ -14,14 +14,24 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 
+use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap as VmGuestMemoryMmap,
-    GuestMemoryRegion, GuestRegionMmap,
+    GuestMemoryRegion,
 };
 
-/// Guest memory as every part of the VMM sees it.
-pub type GuestMemoryMmap = VmGuestMemoryMmap<()>;
+/// Guest memory as every part of the VMM sees it. Each region carries a
+/// bitmap of the pages the VMM itself wrote through vm-memory (virtio
+/// devices, the generation id): KVM's dirty log sees only the guest's
+/// writes (see [`crate::dirty`]).
+pub type GuestMemoryMmap = VmGuestMemoryMmap<AtomicBitmap>;
+
+/// The bitmap view of guest memory slices (virtio readers and writers).
+pub type GuestBitmapSlice<'a> = vm_memory::bitmap::BS<'a, AtomicBitmap>;
+
+/// One region of [`GuestMemoryMmap`].
+pub type GuestRegionMmap = vm_memory::GuestRegionMmap<AtomicBitmap>;
 
 /// How the guest RAM of this process is backed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +68,12 @@ pub enum MemoryError {
     },
     #[error("Memory file {path} has {found} bytes, the snapshot needs {want}: it is truncated or from another vm")]
     FileSize { path: String, found: u64, want: u64 },
+    #[error("Cannot map {size} bytes of anonymous guest RAM")]
+    Anonymous {
+        size: u64,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("Cannot remap guest RAM copy-on-write")]
     Remap(#[source] std::io::Error),
     #[error("Guest RAM region at {0:#x} is not backed by a file")]
@@ -127,7 +143,7 @@ pub fn map_file_private(
             source,
         })?;
         let fo = FileOffset::new(clone, offset);
-        let region = MmapRegion::<()>::build(
+        let region = MmapRegion::<AtomicBitmap>::build(
             Some(fo),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
@@ -147,6 +163,40 @@ pub fn map_file_private(
     GuestMemoryMmap::from_regions(mapped).map_err(|e| MemoryError::Map {
         addr: regions.first().map(|r| r.0 .0).unwrap_or(0),
         size: want,
+        source: e.into(),
+    })
+}
+
+/// Maps anonymous MAP_PRIVATE guest RAM at the layout of `regions`, with
+/// nothing in it: lazy page-in ([`crate::pagein`]) registers it with a
+/// userfaultfd and fills pages as they are touched. After fork(2) it is
+/// ordinary copy-on-write memory, like a mapped memory file.
+pub fn map_anonymous_private(
+    regions: &[(GuestAddress, usize)],
+) -> Result<GuestMemoryMmap, MemoryError> {
+    let size = total(regions);
+    let first = regions.first().map(|r| r.0 .0).unwrap_or(0);
+    let mut mapped = Vec::with_capacity(regions.len());
+    for &(addr, len) in regions {
+        let region = MmapRegion::<AtomicBitmap>::build(
+            None,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+        )
+        .map_err(|e| MemoryError::Anonymous {
+            size,
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let region = GuestRegionMmap::new(region, addr).ok_or(MemoryError::Anonymous {
+            size,
+            source: std::io::Error::other("region overflows the address space"),
+        })?;
+        mapped.push(region);
+    }
+    GuestMemoryMmap::from_regions(mapped).map_err(|e| MemoryError::Map {
+        addr: first,
+        size,
         source: e.into(),
     })
 }

@@ -40,9 +40,15 @@ pub struct ProcessOptions {
 /// Why a vm ended, as written to the exit file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ExitRecord {
+    /// How it ended, and for an exit the VMM caused, what failed
+    /// (`crashed: page-in of guest 0x…: …`).
     pub reason: String,
     /// Unix time in ms.
     pub ended_ms: u64,
+    /// What failed, when the VMM ended the vm (a page it could not page
+    /// in); also in `reason`.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// Errors of a VMM process.
@@ -75,17 +81,26 @@ pub fn serve(
             .map_err(|e| RunError::Thread("api", e))?;
     }
     on_running();
+    let notifier = running.handle().exit_notifier().clone();
     let exit = running.wait();
-    write_exit(&opts, &exit.to_string());
+    match notifier.detail() {
+        Some(detail) => write_exit_detail(&opts, &format!("{exit}: {detail}"), Some(detail)),
+        None => write_exit(&opts, &exit.to_string()),
+    }
     Ok(exit)
 }
 
 /// Records why the vm ended (best effort: the process is ending).
 pub fn write_exit(opts: &ProcessOptions, reason: &str) {
+    write_exit_detail(opts, reason, None)
+}
+
+fn write_exit_detail(opts: &ProcessOptions, reason: &str, error: Option<String>) {
     if let Some(path) = &opts.exit_file {
         let rec = ExitRecord {
             reason: reason.to_string(),
             ended_ms: now_ms(),
+            error,
         };
         if let Ok(bytes) = serde_json::to_vec(&rec) {
             let tmp = path.with_extension("tmp");
@@ -150,6 +165,18 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 continue;
             }
         };
+        // Children, templates and full snapshots read all of RAM: a lazily
+        // paged-in vm gets it all first, while it still runs.
+        let whole_ram = matches!(
+            req,
+            Request::Fork { .. } | Request::Checkpoint { .. } | Request::Snapshot { .. }
+        );
+        if whole_ram {
+            if let Err(e) = source.make_resident() {
+                send(&conn, &Reply::error(chain(&e)));
+                continue;
+            }
+        }
         let reply = match req {
             Request::Ping => Reply {
                 pid: std::process::id(),
@@ -171,6 +198,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 &source,
                 &opts,
                 &layers_dir,
+                None,
                 |parts| spawn_children(parts, &children),
                 children_running,
             ),
@@ -182,6 +210,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 &source,
                 &opts,
                 &layers_dir,
+                None,
                 |parts| {
                     Ok(vec![fork::spawn(parts, true, |off| {
                         template_body(off, &tag, &socket)
@@ -206,9 +235,10 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     &source,
                     &opts,
                     &layers_dir,
+                    None,
                     |parts| {
                         Ok(vec![fork::spawn(parts, false, |off| {
-                            writer_body(off, &dir, &name, contract.as_deref())
+                            writer_body(off, &dir, &name, contract.as_deref(), None)
                         })?])
                     },
                     |mut w, t0| {
@@ -221,6 +251,45 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                         Ok(reply)
                     },
                 )
+            }
+            Request::SnapshotLayer {
+                dir,
+                layers_dir,
+                contract,
+                full,
+                rebase,
+            } => snapshot_layer(
+                &source,
+                &opts,
+                &dir,
+                &layers_dir,
+                contract.as_deref(),
+                full,
+                rebase,
+            ),
+            Request::TrackDirty => match source.handle().enable_dirty_tracking() {
+                Ok(()) => Reply {
+                    pid: std::process::id(),
+                    name: opts.name.clone(),
+                    dirty: Some(source.handle().dirty_tracking()),
+                    ..Reply::default()
+                },
+                Err(e) => Reply::error(format!("cannot track dirty pages: {}", chain(&e))),
+            },
+            Request::PageIn { working_set_to } => {
+                let written = match (source.pagein(), &working_set_to) {
+                    (Some(p), Some(path)) => p.working_set().write(path).map_err(|e| chain(&e)),
+                    _ => Ok(()),
+                };
+                match written {
+                    Ok(()) => Reply {
+                        pid: std::process::id(),
+                        name: opts.name.clone(),
+                        pagein: source.pagein().map(|p| p.stats()),
+                        ..Reply::default()
+                    },
+                    Err(e) => Reply::error(e),
+                }
             }
             Request::Rollback { .. } | Request::Drop => {
                 Reply::error("this is a running vm, not a checkpoint")
@@ -243,6 +312,69 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// How a memory layer is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayerMode {
+    /// All populated non-zero memory.
+    Full,
+    /// The pages dirtied since this base.
+    Diff(String),
+}
+
+/// `SnapshotLayer`: the fork path with a writer that writes a memory
+/// layer; the continuation rebases its dirty set if asked.
+fn snapshot_layer(
+    source: &ForkSource,
+    opts: &ProcessOptions,
+    dir: &Path,
+    layers_dir: &Path,
+    contract: Option<&str>,
+    full: bool,
+    rebase: Option<String>,
+) -> Reply {
+    let tracking = source.handle().dirty_tracking();
+    let mode = match (&tracking.base, full || !tracking.enabled) {
+        (Some(b), false) => LayerMode::Diff(b.clone()),
+        _ => LayerMode::Full,
+    };
+    // A full layer reads all of RAM: lazily paged-in memory must be there.
+    // A diff reads only dirty pages, which are present.
+    if mode == LayerMode::Full {
+        if let Err(e) = source.make_resident() {
+            return Reply::error(chain(&e));
+        }
+    }
+    let name = opts.name.clone();
+    let mut reply = freeze_and(
+        source,
+        opts,
+        layers_dir,
+        rebase,
+        |parts| {
+            Ok(vec![fork::spawn(parts, false, |off| {
+                writer_body(off, dir, &name, contract, Some(&mode))
+            })?])
+        },
+        |mut w, t0| {
+            let mut reply = Reply::default();
+            for w in &mut w {
+                let detail = w.wait_ready(WRITER_TIMEOUT)?;
+                let info: crate::layer::LayerInfo = serde_json::from_str(&detail)
+                    .map_err(|e| ForkError::Child(format!("bad layer report: {e}")))?;
+                reply.memory_bytes = Some(info.data_bytes);
+                reply.layer = Some(info);
+                reply.snapshot_ms = Some(ms(t0.elapsed()));
+            }
+            Ok(reply)
+        },
+    );
+    if reply.error.is_none() && reply.continuation_pid.is_none() {
+        // The vm went on in this process: its tracking is here.
+        reply.dirty = Some(source.handle().dirty_tracking());
+    }
+    reply
+}
+
 /// The fork path: freeze, start the continuation, then `start` the other
 /// processes (children, a template, a writer) while it comes up, and
 /// `finish` once it runs; say how long the guest was paused. If the
@@ -252,6 +384,7 @@ fn freeze_and(
     source: &ForkSource,
     opts: &ProcessOptions,
     layers_dir: &Path,
+    rebase: Option<String>,
     start: impl FnOnce(&ForkParts) -> Result<Vec<Spawned>, ForkError>,
     finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
 ) -> Reply {
@@ -264,14 +397,14 @@ fn freeze_and(
         return Reply::error(format!("cannot create {}: {e}", layers_dir.display()));
     }
     if source.backing() == RamBacking::Private {
-        return freeze_in_place(source, opts, layers_dir, stamp, start, finish, t0);
+        return freeze_in_place(source, opts, layers_dir, stamp, rebase, start, finish, t0);
     }
     // The continuation's KVM setup happens now, while the guest runs.
     let me = continuation_identity(source.config(), opts);
     let standby = source
         .prepare(|off| vm_body(off, &me, Mode::Continuation))
         .ok();
-    let frozen = match source
+    let mut frozen = match source
         .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
     {
         Ok(f) => f,
@@ -281,6 +414,9 @@ fn freeze_and(
             return Reply::error(chain(&e));
         }
     };
+    if let Some(b) = rebase {
+        frozen.rebase_continuation(b);
+    }
     // The continuation listens on the same control socket path.
     let api_aside = opts.api_socket.as_ref().map(|p| {
         let aside = p.with_extension(format!("frozen-{}", std::process::id()));
@@ -291,7 +427,9 @@ fn freeze_and(
     let mut others = Vec::new();
     let cont = match standby {
         Some(s) => frozen.hand_over(s),
-        None => frozen.spawn(true, |off| vm_body(off, &me, Mode::Continuation)),
+        None => fork::spawn(&frozen.continuation_parts(), true, |off| {
+            vm_body(off, &me, Mode::Continuation)
+        }),
     }
     .and_then(|mut c| {
         fork::trace(frozen.started(), "continuation forked");
@@ -354,11 +492,12 @@ fn freeze_in_place(
     opts: &ProcessOptions,
     layers_dir: &Path,
     stamp: u128,
+    rebase: Option<String>,
     start: impl FnOnce(&ForkParts) -> Result<Vec<Spawned>, ForkError>,
     finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
     t0: Instant,
 ) -> Reply {
-    let frozen = match source
+    let mut frozen = match source
         .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
     {
         Ok(f) => f,
@@ -395,6 +534,14 @@ fn freeze_in_place(
         }
     };
     fork::trace(started, "zygote forked");
+    if let Some(b) = rebase {
+        // The zygote holds the moment's dirty set; the vm going on here
+        // starts an empty one relative to the moment being stored.
+        frozen.rebase_continuation(b);
+        if let Err(e) = frozen.rebase_here() {
+            tracing::warn!("cannot rebase the dirty set: {}", chain(&e));
+        }
+    }
     if let Err(e) = frozen.resume_here() {
         return Reply::error(format!(
             "the vm could not go on after the fork: {}",
@@ -516,6 +663,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
     let prepared = off.prepared.take();
     let parts = &off.parts;
     let config = vm_config(parts, id, mode)?;
+    let dirty = parts.dirty.clone();
     for d in &parts.disks {
         let top = &config
             .disks
@@ -531,7 +679,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         })?;
     }
     mark("overlays");
-    let vmm = crate::builder::restore_prepared(
+    let mut vmm = crate::builder::restore_prepared(
         &config,
         parts.mem.clone(),
         RamBacking::Private,
@@ -539,6 +687,9 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         prepared,
     )
     .map_err(|e| format!("cannot restore the vm: {}", chain(&e)))?;
+    // Every process that continues tracks on its own (a new KVM VM), with
+    // the dirty set and base of the moment it continues from.
+    vmm.track_dirty(dirty);
     if mode != Mode::Continuation {
         // A new copy of the vm: a new VMGenID, so the guest kernel reseeds.
         vmm.new_generation()
@@ -738,11 +889,24 @@ fn rollback(parts: &ForkParts, id: &Identity, standby: Option<fork::Standby>) ->
     }
 }
 
-/// Body of a snapshot writer: writes the frozen view and exits.
-fn writer_body(off: &mut Offspring, dir: &Path, name: &str, contract: Option<&str>) -> i32 {
-    match snapshot_dir::write(&off.parts, dir, name, contract) {
-        Ok(bytes) => {
-            off.ready(&bytes.to_string());
+/// Body of a snapshot writer: writes the frozen view and exits. With a
+/// layer mode, memory goes to `memory.layer` and the report is its
+/// [`crate::layer::LayerInfo`] as JSON.
+fn writer_body(
+    off: &mut Offspring,
+    dir: &Path,
+    name: &str,
+    contract: Option<&str>,
+    layer: Option<&LayerMode>,
+) -> i32 {
+    let res = match layer {
+        None => snapshot_dir::write(&off.parts, dir, name, contract).map(|b| b.to_string()),
+        Some(mode) => snapshot_dir::write_layer(&off.parts, dir, name, contract, mode)
+            .map(|info| serde_json::to_string(&info).unwrap_or_default()),
+    };
+    match res {
+        Ok(detail) => {
+            off.ready(&detail);
             0
         }
         Err(e) => {

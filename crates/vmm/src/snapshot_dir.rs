@@ -18,6 +18,9 @@ use crate::moment::{DeviceLayout, Moment};
 pub const MANIFEST: &str = "manifest.json";
 pub const MEMORY: &str = "memory";
 pub const STATE: &str = "state";
+/// A memory layer ([`crate::layer`]), written instead of [`MEMORY`] by
+/// [`write_layer`].
+pub const MEMORY_LAYER: &str = "memory.layer";
 
 /// What a snapshot needs to be restored.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -44,6 +47,11 @@ pub struct Manifest {
     /// restored from this snapshot wake up. Names and policies only.
     #[serde(default)]
     pub contract: Option<String>,
+    /// Set when memory was written as a layer (`memory.layer`, for the
+    /// store) instead of `memory`: a full layer, or a diff against its
+    /// base. Such a directory is not restored with `--from` directly.
+    #[serde(default)]
+    pub memory_layer: Option<crate::layer::LayerInfo>,
 }
 
 /// A disk of a snapshot.
@@ -87,6 +95,10 @@ pub enum SnapshotDirError {
     },
     #[error("The manifest and the state disagree: {0}")]
     Mismatch(String),
+    #[error(transparent)]
+    Layer(#[from] crate::layer::LayerError),
+    #[error("The vm's dirty base is {found:?}, the layer asked for a diff against {want:?}")]
+    Base { want: String, found: Option<String> },
     #[error("Cannot read this host's KVM capabilities")]
     Host(#[from] crate::compat::CompatCollectError),
     #[error("{dir} cannot be restored on this host:\n{source}")]
@@ -113,10 +125,7 @@ pub fn write(
     name: &str,
     contract: Option<&str>,
 ) -> Result<u64, SnapshotDirError> {
-    fs::create_dir_all(dir).map_err(io(dir))?;
-    if dir.join(MANIFEST).exists() {
-        return Err(SnapshotDirError::NotEmpty(dir.into()));
-    }
+    start_dir(dir)?;
     let mem_path = dir.join(MEMORY);
     let file = File::create(&mem_path).map_err(io(&mem_path))?;
     let total: u64 = parts.mem.iter().map(|r| r.len()).sum();
@@ -129,7 +138,67 @@ pub fn write(
         offset += region.len();
     }
     file.sync_all().map_err(io(&mem_path))?;
+    finish(parts, dir, name, contract, written, None)?;
+    Ok(written)
+}
 
+/// Writes `parts` to `dir` like [`write`], with memory as a layer in
+/// `memory.layer` ([`crate::layer`]): all populated non-zero memory, or
+/// the pages dirtied since the base (the set is in `parts.mem`'s bitmaps,
+/// collected at the moment). Returns what the layer holds.
+pub fn write_layer(
+    parts: &ForkParts,
+    dir: &Path,
+    name: &str,
+    contract: Option<&str>,
+    mode: &crate::process::LayerMode,
+) -> Result<crate::layer::LayerInfo, SnapshotDirError> {
+    use crate::layer::{self, Selection};
+    use crate::process::LayerMode;
+    start_dir(dir)?;
+    let path = dir.join(MEMORY_LAYER);
+    let info = match mode {
+        LayerMode::Full => layer::write(&parts.mem, Selection::Populated, None, &path)?,
+        LayerMode::Diff(base) => {
+            if parts.dirty.base.as_ref() != Some(base) || !parts.dirty.enabled {
+                return Err(SnapshotDirError::Base {
+                    want: base.clone(),
+                    found: parts.dirty.base.clone(),
+                });
+            }
+            let pages = crate::dirty::read(&parts.mem);
+            layer::write(&parts.mem, Selection::Pages(&pages), Some(base), &path)?
+        }
+    };
+    finish(
+        parts,
+        dir,
+        name,
+        contract,
+        info.data_bytes,
+        Some(info.clone()),
+    )?;
+    Ok(info)
+}
+
+fn start_dir(dir: &Path) -> Result<(), SnapshotDirError> {
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    if dir.join(MANIFEST).exists() {
+        return Err(SnapshotDirError::NotEmpty(dir.into()));
+    }
+    Ok(())
+}
+
+/// Writes `state`, then `manifest.json` (last: it makes the directory a
+/// snapshot).
+fn finish(
+    parts: &ForkParts,
+    dir: &Path,
+    name: &str,
+    contract: Option<&str>,
+    written: u64,
+    memory_layer: Option<crate::layer::LayerInfo>,
+) -> Result<(), SnapshotDirError> {
     let state_path = dir.join(STATE);
     let bytes = snapshot::encode(&parts.moment).map_err(|source| SnapshotDirError::State {
         path: state_path.clone(),
@@ -176,6 +245,7 @@ pub fn write(
         memory_bytes: written,
         compat,
         contract: contract.map(str::to_owned),
+        memory_layer,
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| SnapshotDirError::Manifest {
         path: dir.join(MANIFEST),
@@ -188,7 +258,7 @@ pub fn write(
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }
-    Ok(written)
+    Ok(())
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), SnapshotDirError> {

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use kvm_bindings::{
     kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, CpuId,
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MAX_CPUID_ENTRIES,
-    KVM_PIT_SPEAKER_DUMMY,
+    KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
@@ -95,14 +95,27 @@ impl Vm {
         })
     }
 
-    /// Registers every guest memory region as a KVM memory slot. Must run
-    /// before [`Vm::setup_irqchip`]: KVM is several ms slower the other way.
+    /// Registers every guest memory region as a KVM memory slot (slot =
+    /// region index). Must run before [`Vm::setup_irqchip`]: KVM is several
+    /// ms slower the other way.
     pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+        self.set_memslots(mem, 0)
+    }
+
+    /// Turns KVM's dirty log (KVM_MEM_LOG_DIRTY_PAGES) on or off for every
+    /// memslot registered by [`Vm::register_memory`]: a flags-only change of
+    /// each slot, allowed while vCPUs run. Turning it on write-protects the
+    /// slot, so the guest's next write to each page is logged.
+    pub fn set_dirty_logging(&self, mem: &GuestMemoryMmap, on: bool) -> Result<(), VmError> {
+        self.set_memslots(mem, if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 })
+    }
+
+    fn set_memslots(&self, mem: &GuestMemoryMmap, flags: u32) -> Result<(), VmError> {
         for (slot, region) in mem.iter().enumerate() {
             let slot = u32::try_from(slot).map_err(|_| VmError::TooManyRegions)?;
             let region = kvm_userspace_memory_region {
                 slot,
-                flags: 0,
+                flags,
                 guest_phys_addr: region.start_addr().raw_value(),
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,
@@ -113,6 +126,15 @@ impl Vm {
                 .map_err(|e| VmError::Kvm("KVM_SET_USER_MEMORY_REGION", e))?;
         }
         Ok(())
+    }
+
+    /// KVM_GET_DIRTY_LOG of memslot `slot` (`len` bytes): one bit per 4 KiB
+    /// page the guest wrote since the last call (or since logging was
+    /// turned on). KVM clears its log and write-protects those pages again.
+    pub fn dirty_log(&self, slot: u32, len: usize) -> Result<Vec<u64>, VmError> {
+        self.fd
+            .get_dirty_log(slot, len)
+            .map_err(|e| VmError::Kvm("KVM_GET_DIRTY_LOG", e))
     }
 
     /// In-kernel PIC/IOAPIC/LAPIC and PIT.

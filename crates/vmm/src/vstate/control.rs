@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::devices::Bus;
+use crate::dirty::{self, DirtyLog, DirtyTracking};
 use crate::exit::{ExitNotifier, GuestExit};
 use crate::memory::GuestMemoryMmap;
 use crate::state::MachineState;
@@ -54,6 +55,8 @@ struct Inner {
     /// guest's time continues from its moment, not from how long it waited
     /// for its wake.
     held_clock: Mutex<Option<u64>>,
+    /// Whether KVM's dirty log is on, and the base of the dirty set.
+    dirty: Mutex<DirtyTracking>,
 }
 
 struct Vcpus {
@@ -116,6 +119,7 @@ impl RunningVmm {
                     mem,
                     exit,
                     held_clock: Mutex::new(held_clock),
+                    dirty: Mutex::new(DirtyTracking::default()),
                     vcpus: Mutex::new(Vcpus { threads, paused }),
                 }),
             },
@@ -246,6 +250,102 @@ impl VmmHandle {
                 tracing::error!("vcpu{}: thread panicked", t.index);
             }
         }
+    }
+
+    /// Turns dirty tracking on (KVM's dirty log on every memslot). The set
+    /// keeps its base, if any: a vm restored from a stored snapshot calls
+    /// [`VmmHandle::rebase_dirty`] with that snapshot's label, paused,
+    /// before it first runs. Allowed while running (the set then has no
+    /// complete base until the next rebase).
+    pub fn enable_dirty_tracking(&self) -> Result<(), ControlError> {
+        let mut d = self.dirty_state();
+        if !d.enabled {
+            self.inner.vm.set_dirty_logging(&self.inner.mem, true)?;
+            d.enabled = true;
+        }
+        Ok(())
+    }
+
+    /// Turns dirty tracking off; the set loses its base.
+    pub fn disable_dirty_tracking(&self) -> Result<(), ControlError> {
+        let mut d = self.dirty_state();
+        if d.enabled {
+            self.inner.vm.set_dirty_logging(&self.inner.mem, false)?;
+        }
+        *d = DirtyTracking::default();
+        Ok(())
+    }
+
+    /// Whether dirty tracking is on, and its base.
+    pub fn dirty_tracking(&self) -> DirtyTracking {
+        self.dirty_state().clone()
+    }
+
+    /// Pages dirtied since the base, by the guest (KVM's log) and by the
+    /// VMM (vm-memory's bitmaps); the set is kept (see [`dirty::collect`]).
+    /// Only while paused; with tracking off only the VMM's writes are in
+    /// it and the base is None.
+    pub fn dirty_log(&self) -> Result<DirtyLog, ControlError> {
+        let vcpus = self.lock();
+        self.check_running()?;
+        if !vcpus.paused {
+            return Err(ControlError::NotPaused);
+        }
+        let d = self.dirty_state();
+        self.collect_dirty_locked(&d)?;
+        Ok(DirtyLog {
+            base: d.base.clone().filter(|_| d.enabled),
+            pages: dirty::read(&self.inner.mem),
+        })
+    }
+
+    /// Folds KVM's dirty log into the set (the fork path, at its moment).
+    pub(crate) fn collect_dirty(&self) -> Result<(), ControlError> {
+        let d = self.dirty_state();
+        self.collect_dirty_locked(&d)
+    }
+
+    fn collect_dirty_locked(&self, d: &DirtyTracking) -> Result<(), ControlError> {
+        if d.enabled {
+            dirty::collect(&self.inner.vm, &self.inner.mem)?;
+        }
+        Ok(())
+    }
+
+    /// Empties the dirty set: from now on it is relative to `base` (what
+    /// the caller just stored). Only while paused, and with the devices
+    /// quiet if a write they make now must count (the fork path parks
+    /// them). Turns tracking on if it was off.
+    pub fn rebase_dirty(&self, base: Option<String>) -> Result<(), ControlError> {
+        let vcpus = self.lock();
+        self.check_running()?;
+        if !vcpus.paused {
+            return Err(ControlError::NotPaused);
+        }
+        self.rebase_dirty_paused(base)
+    }
+
+    /// [`VmmHandle::rebase_dirty`] for a caller that holds the vm paused
+    /// itself (the fork path).
+    pub(crate) fn rebase_dirty_paused(&self, base: Option<String>) -> Result<(), ControlError> {
+        let mut d = self.dirty_state();
+        if !d.enabled {
+            self.inner.vm.set_dirty_logging(&self.inner.mem, true)?;
+            d.enabled = true;
+        }
+        dirty::rebase(&self.inner.vm, &self.inner.mem, true)?;
+        d.base = base;
+        Ok(())
+    }
+
+    /// Sets the tracking state of a vm whose memslots already log (see
+    /// [`crate::Vmm::track_dirty`]).
+    pub(crate) fn set_dirty_tracking(&self, t: DirtyTracking) {
+        *self.dirty_state() = t;
+    }
+
+    fn dirty_state(&self) -> MutexGuard<'_, DirtyTracking> {
+        self.inner.dirty.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn check_running(&self) -> Result<(), ControlError> {

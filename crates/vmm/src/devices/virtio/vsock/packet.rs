@@ -166,7 +166,7 @@ pub fn read_tx_packet(
 
 /// A writable rx chain ready to receive one packet.
 pub struct RxBuffer<'a> {
-    writer: Writer<'a>,
+    writer: Writer<'a, crate::memory::GuestBitmapSlice<'a>>,
 }
 
 impl<'a> RxBuffer<'a> {

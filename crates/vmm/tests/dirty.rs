@@ -1,0 +1,149 @@
+//! Dirty tracking on real KVM with the memtouch micro guest: between two
+//! moments the dirty set holds exactly the pages the guest touched (its
+//! region at 16 MiB, plus the few pages of its own stack and data below
+//! it) and the pages the VMM wrote itself; the set survives being read,
+//! empties on a rebase, and a memory layer written from it reads back.
+
+mod micro;
+
+use std::time::Instant;
+
+use micro::{config, scratch, Console};
+use vm_memory::{Bytes, GuestAddress};
+use vmm::dirty::{PageBitmap, PAGE_SIZE};
+use vmm::layer::{self, LayerReader, Record, Selection};
+
+const MIB: u64 = 1 << 20;
+const REGION: u64 = 16 * MIB;
+
+/// Pages of `set` in `lo..hi`.
+fn count_in(set: &PageBitmap, lo: u64, hi: u64) -> u64 {
+    set.runs()
+        .iter()
+        .map(|&(s, l)| {
+            let a = s.max(lo);
+            let b = (s + l).min(hi);
+            b.saturating_sub(a) / PAGE_SIZE
+        })
+        .sum()
+}
+
+#[test]
+fn test_dirty_log_names_exactly_the_touched_pages() {
+    let dir = scratch("dirty", "touched");
+    let console = Console::in_dir(&dir, "memtouch");
+    let running = vmm::build(&config(guests::memtouch_path(), 256, &console))
+        .expect("build")
+        .start()
+        .expect("start");
+    let h = running.handle();
+    console.wait_nth("READY", 1);
+    console.command("touch 8 1", "TOUCHED", 1);
+
+    // Moment 1: tracking on, the set emptied with a base.
+    h.enable_dirty_tracking().expect("enable");
+    h.pause().expect("pause");
+    h.rebase_dirty(Some("m1".into())).expect("rebase");
+    h.resume().expect("resume");
+
+    // Between the moments the guest rewrites the first 4 of its 8 MiB,
+    // and the VMM writes one page itself (as a virtio device would).
+    console.command("touch 4 2", "TOUCHED", 2);
+    h.guest_memory()
+        .write_slice(&[0xabu8; 16], GuestAddress(100 * MIB + 0x10))
+        .expect("VMM write");
+
+    // Moment 2.
+    h.pause().expect("pause");
+    let t = Instant::now();
+    let log = h.dirty_log().expect("dirty log");
+    let took = t.elapsed();
+    assert_eq!(log.base.as_deref(), Some("m1"));
+    let set = &log.pages;
+    let touched = count_in(set, REGION, REGION + 4 * MIB);
+    assert_eq!(touched, 4 * MIB / PAGE_SIZE, "every touched page is dirty");
+    assert_eq!(
+        count_in(set, REGION + 4 * MIB, REGION + 8 * MIB),
+        0,
+        "pages touched before the base are not"
+    );
+    assert!(set.contains(100 * MIB), "the VMM's own write is dirty");
+    let below = count_in(set, 0, REGION);
+    let elsewhere = set.count() - touched - below;
+    assert_eq!(elsewhere, 1, "nothing else above 16 MiB: {:?}", set.runs());
+    assert!(
+        below > 0 && below <= 16,
+        "the guest's own stack/data pages below 16 MiB: {below} ({:?})",
+        set.runs()
+    );
+    println!(
+        "dirty between the moments: {} pages ({touched} touched, {below} guest-internal below 16 MiB, 1 VMM write); dirty_log took {took:?}",
+        set.count()
+    );
+
+    // Reading the log does not empty it.
+    let again = h.dirty_log().expect("dirty log again");
+    assert_eq!(again.pages, log.pages);
+
+    // A diff layer of exactly that set reads back with the guest's bytes.
+    let path = dir.join("diff.layer");
+    let info = layer::write(h.guest_memory(), Selection::Pages(set), Some("m1"), &path)
+        .expect("write layer");
+    assert_eq!(info.pages, set.count());
+    assert_eq!(info.base.as_deref(), Some("m1"));
+    let mut r = LayerReader::open(&path).expect("open layer");
+    let mut buf = Vec::new();
+    let mut named = PageBitmap::empty_for(h.guest_memory());
+    while let Some(rec) = r.next_record(&mut buf).expect("record") {
+        let (gpa, len) = match rec {
+            Record::Data { gpa, len } => {
+                let mut want = vec![0u8; len as usize];
+                h.guest_memory()
+                    .read_slice(&mut want, GuestAddress(gpa))
+                    .expect("read");
+                assert!(
+                    buf == want,
+                    "layer bytes at {gpa:#x} differ from guest memory"
+                );
+                (gpa, len)
+            }
+            Record::Zero { gpa, len } => (gpa, len),
+        };
+        named.insert(gpa, len);
+    }
+    assert_eq!(&named, set, "the layer names exactly the dirty set");
+
+    // Moment 3: after a rebase, a guest that only answers a ping dirties
+    // nothing in its region.
+    h.rebase_dirty(Some("m2".into())).expect("rebase");
+    h.resume().expect("resume");
+    console.command("ping", "PONG", 1);
+    h.pause().expect("pause");
+    let log = h.dirty_log().expect("dirty log");
+    assert_eq!(log.base.as_deref(), Some("m2"));
+    assert_eq!(count_in(&log.pages, REGION, 256 * MIB), 0);
+    assert!(log.pages.count() <= 16, "{:?}", log.pages.runs());
+    h.resume().expect("resume");
+    running.handle().stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn test_dirty_log_needs_a_paused_vm() {
+    let dir = scratch("dirty", "paused");
+    let console = Console::in_dir(&dir, "memtouch");
+    let running = vmm::build(&config(guests::memtouch_path(), 64, &console))
+        .expect("build")
+        .start()
+        .expect("start");
+    let h = running.handle();
+    console.wait_nth("READY", 1);
+    h.enable_dirty_tracking().expect("enable");
+    assert!(matches!(h.dirty_log(), Err(vmm::ControlError::NotPaused)));
+    assert!(matches!(
+        h.rebase_dirty(None),
+        Err(vmm::ControlError::NotPaused)
+    ));
+    running.handle().stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
