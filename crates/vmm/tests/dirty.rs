@@ -147,3 +147,102 @@ fn test_dirty_log_needs_a_paused_vm() {
     running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+fn identity(dir: &std::path::Path, name: &str) -> vmm::api::Identity {
+    vmm::api::Identity {
+        name: name.into(),
+        console_log: dir.join(format!("{name}.log")),
+        console_socket: Some(dir.join(format!("{name}.sock"))),
+        log: dir.join(format!("{name}.vmm.log")),
+        api_socket: dir.join(format!("{name}.api")),
+        exit_file: dir.join(format!("{name}.exit.json")),
+        ..Default::default()
+    }
+}
+
+fn snapshot_layer(api: &std::path::Path, dir: &std::path::Path, rebase: &str) -> vmm::api::Reply {
+    let call = vmm::api::call(
+        api,
+        &vmm::api::Request::SnapshotLayer {
+            dir: dir.join(format!("snap-{rebase}")),
+            layers_dir: dir.join("layers"),
+            contract: None,
+            full: false,
+            rebase: Some(rebase.into()),
+        },
+        micro::WAIT,
+    )
+    .expect("snapshot layer");
+    assert!(call.reply.error.is_none(), "{:?}", call.reply.error);
+    call.reply
+}
+
+/// Every process that continues a moment tracks on its own: a child
+/// keeps the base of its parent's moment and the pages dirtied before it,
+/// the parent's continuation starts anew from the snapshot it stored.
+#[test]
+fn test_dirty_set_follows_forks_and_snapshots() {
+    let dir = scratch("dirty", "forks");
+    let console = Console::in_dir(&dir, "parent");
+    let cfg = config(guests::memtouch_path(), 128, &console);
+    let p = micro::VmmProcess::spawn(&dir, "parent", move || {
+        let mut vmm = vmm::build(&cfg).expect("build");
+        vmm.track_dirty(vmm::dirty::DirtyTracking {
+            enabled: true,
+            base: None,
+        });
+        vmm
+    });
+    console.wait_nth("READY", 1);
+    console.command("touch 8 1", "TOUCHED", 1);
+
+    // No base yet: the first layer is full; the vm now tracks against s0.
+    let r = snapshot_layer(&p.api, &dir, "s0");
+    let l = r.layer.expect("layer");
+    assert_eq!(l.base, None, "a vm without a base stores a full layer");
+    assert!(l.pages >= 2048, "{l:?}");
+    assert!(r.continuation_pid.is_some(), "a booted vm moves on");
+
+    // The parent dirties 2 MiB, then forks a child that dirties 6 MiB.
+    console.command("touch 2 2", "TOUCHED", 2);
+    let call = vmm::api::call(
+        &p.api,
+        &vmm::api::Request::Fork {
+            children: vec![identity(&dir, "child")],
+            layers_dir: dir.join("layers"),
+        },
+        micro::WAIT,
+    )
+    .expect("fork");
+    assert!(call.reply.error.is_none(), "{:?}", call.reply.error);
+    let child_pid = call.reply.children[0];
+    drop(call);
+    let child = Console::in_dir(&dir, "child");
+    child.command("touch 6 5", "TOUCHED", 1);
+
+    // The child's diff against s0 holds its 6 MiB (which cover the
+    // parent's 2 MiB); the parent's, only its 2 MiB.
+    let c = snapshot_layer(&dir.join("child.api"), &dir, "c1")
+        .layer
+        .expect("child layer");
+    assert_eq!(c.base.as_deref(), Some("s0"));
+    assert!((1536..1536 + 64).contains(&c.pages), "child: {c:?}");
+    let pl = snapshot_layer(&p.api, &dir, "s1")
+        .layer
+        .expect("parent layer");
+    assert_eq!(pl.base.as_deref(), Some("s0"));
+    assert!((512..512 + 64).contains(&pl.pages), "parent: {pl:?}");
+
+    // Right after its rebase to s1 the parent has dirtied nothing of its
+    // region.
+    console.command("ping", "PONG", 1);
+    let q = snapshot_layer(&p.api, &dir, "s2").layer.expect("layer");
+    assert_eq!(q.base.as_deref(), Some("s1"));
+    assert!(q.pages < 64, "{q:?}");
+    println!("layers: full {l:?}, child {c:?}, parent {pl:?}, idle {q:?}");
+
+    let ping = vmm::api::call(&p.api, &vmm::api::Request::Ping, micro::WAIT).expect("ping");
+    micro::kill(ping.reply.pid as i32);
+    micro::kill(child_pid as i32);
+    let _ = std::fs::remove_dir_all(dir);
+}
