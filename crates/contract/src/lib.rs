@@ -25,6 +25,11 @@
 //! [hooks]
 //! run = true                     # run /etc/tine/wake.d/* last
 //! timeout_s = 30
+//!
+//! [effects]                      # the effects gateway (docs/design/effects.md)
+//! max_response_bytes = 1048576   # responses kept for replay, at most
+//! [effects.destinations]         # host, host:port, *.suffix[:port] or *
+//! "api.example.com" = "once-per-tree"   # once-per-tree | per-branch | deny-in-children | pass
 //! ```
 
 use std::collections::BTreeMap;
@@ -146,6 +151,159 @@ fn default_hook_timeout() -> u64 {
     30
 }
 
+/// What the effects gateway does with a request to a destination
+/// (docs/design/effects.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EffectPolicy {
+    /// One execution per (tree, key): every other branch of the tree that
+    /// sends the same key gets the recorded response (default for methods
+    /// other than GET, HEAD and OPTIONS).
+    OncePerTree,
+    /// One execution per branch: a branch replays only what its ancestors
+    /// did before its fork point, and executes its own.
+    PerBranch,
+    /// Children (copies made by a fork or a restore) are refused (403).
+    DenyInChildren,
+    /// Forwarded and journaled, never replayed (default for GET, HEAD and
+    /// OPTIONS).
+    Pass,
+}
+
+impl std::fmt::Display for EffectPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EffectPolicy::OncePerTree => "once-per-tree",
+            EffectPolicy::PerBranch => "per-branch",
+            EffectPolicy::DenyInChildren => "deny-in-children",
+            EffectPolicy::Pass => "pass",
+        })
+    }
+}
+
+/// The `[effects]` section: policies of the effects gateway.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Effects {
+    /// Responses up to this size are kept for replay; a larger one goes to
+    /// the branch that made the request and is recorded as too large.
+    #[serde(default = "default_max_response")]
+    pub max_response_bytes: u64,
+    /// Destination pattern (`host`, `host:port`, `*.suffix`,
+    /// `*.suffix:port` or `*`) to policy; the most specific match wins.
+    #[serde(default)]
+    pub destinations: BTreeMap<String, EffectPolicy>,
+}
+
+impl Default for Effects {
+    fn default() -> Self {
+        Effects {
+            max_response_bytes: default_max_response(),
+            destinations: BTreeMap::new(),
+        }
+    }
+}
+
+impl Effects {
+    fn is_default(&self) -> bool {
+        *self == Effects::default()
+    }
+
+    /// Checks every destination pattern and the size limit.
+    pub fn validate(&self) -> Result<(), ContractError> {
+        if self.max_response_bytes > MAX_RESPONSE_LIMIT {
+            return Err(ContractError::Invalid(format!(
+                "effects.max_response_bytes = {}: give at most {MAX_RESPONSE_LIMIT} (64 MiB)",
+                self.max_response_bytes
+            )));
+        }
+        for pat in self.destinations.keys() {
+            check_destination_pattern(pat)?;
+        }
+        Ok(())
+    }
+
+    /// The policy for a request: `host` (lower case) and `port` of its
+    /// destination, and whether its method is safe (GET, HEAD, OPTIONS).
+    /// The most specific pattern wins: `host:port`, `host`, the longest
+    /// `*.suffix:port`, the longest `*.suffix`, then `*`. A safe method is
+    /// never replayed: it passes unless the destination denies children.
+    pub fn policy_for(&self, host: &str, port: u16, safe: bool) -> EffectPolicy {
+        let host = host.to_ascii_lowercase();
+        let mut best: Option<(u32, EffectPolicy)> = None;
+        for (pat, &policy) in &self.destinations {
+            let (hpat, ppat) = match pat.rsplit_once(':') {
+                Some((h, p)) => (h, p.parse::<u16>().ok()),
+                None => (pat.as_str(), None),
+            };
+            if ppat.is_some_and(|p| p != port) {
+                continue;
+            }
+            let port_bonus = u32::from(ppat.is_some());
+            let score = if hpat == "*" {
+                Some(port_bonus)
+            } else if let Some(suffix) = hpat.strip_prefix("*.") {
+                let dotted = format!(".{suffix}");
+                host.ends_with(&dotted)
+                    .then(|| 2 + 2 * suffix.len() as u32 + port_bonus)
+            } else {
+                (hpat == host).then_some(1_000_000 + port_bonus)
+            };
+            if let Some(s) = score {
+                if best.is_none_or(|(b, _)| s > b) {
+                    best = Some((s, policy));
+                }
+            }
+        }
+        match (best.map(|(_, p)| p), safe) {
+            (Some(EffectPolicy::DenyInChildren), _) => EffectPolicy::DenyInChildren,
+            (_, true) => EffectPolicy::Pass,
+            (Some(p), false) => p,
+            (None, false) => EffectPolicy::OncePerTree,
+        }
+    }
+}
+
+/// The largest `effects.max_response_bytes` (the journal keeps bodies).
+pub const MAX_RESPONSE_LIMIT: u64 = 64 << 20;
+
+fn default_max_response() -> u64 {
+    1 << 20
+}
+
+fn check_destination_pattern(pat: &str) -> Result<(), ContractError> {
+    let bad = |why: &str| {
+        ContractError::Invalid(format!(
+            "effects.destinations key {pat:?}: {why} (write host, host:port, *.suffix, *.suffix:port or *)"
+        ))
+    };
+    let (host, port) = match pat.rsplit_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (pat, None),
+    };
+    if let Some(p) = port {
+        if p.parse::<u16>().ok().filter(|p| *p > 0).is_none() {
+            return Err(bad("bad port"));
+        }
+    }
+    if host == "*" {
+        return Ok(());
+    }
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.');
+    if !ok {
+        return Err(bad("bad host (lower-case letters, digits, '-' and '.')"));
+    }
+    Ok(())
+}
+
 /// The whole contract.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -161,6 +319,8 @@ pub struct Contract {
     pub secrets: BTreeMap<String, Secret>,
     #[serde(default)]
     pub hooks: Hooks,
+    #[serde(default, skip_serializing_if = "Effects::is_default")]
+    pub effects: Effects,
 }
 
 /// One parsed `network.allow` entry.
@@ -243,6 +403,7 @@ impl Contract {
     pub fn validate(&self) -> Result<(), ContractError> {
         let invalid = |m: String| Err(ContractError::Invalid(m));
         self.allow_rules()?;
+        self.effects.validate()?;
         let k = &self.network.keep_connections;
         if k.is_empty() {
             return invalid(
@@ -377,6 +538,70 @@ revoke_hook = "/bin/true"
             ),
             ("[hooks]\ntimeout_s = 0", "timeout_s"),
             ("[hooks]\nrun = true\nextra = 1", "extra"),
+        ] {
+            let e = Contract::parse(text).expect_err(text).to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn test_effects_section_and_policy_choice() {
+        use EffectPolicy::*;
+        let c = Contract::parse(
+            r#"
+[effects]
+max_response_bytes = 4096
+[effects.destinations]
+"*" = "per-branch"
+"*.example.com" = "deny-in-children"
+"api.example.com" = "pass"
+"api.example.com:8443" = "once-per-tree"
+"10.0.0.1:80" = "deny-in-children"
+"#,
+        )
+        .expect("parse");
+        let e = &c.effects;
+        assert_eq!(e.max_response_bytes, 4096);
+        assert_eq!(e.policy_for("api.example.com", 8443, false), OncePerTree);
+        assert_eq!(e.policy_for("API.example.com", 80, false), Pass);
+        assert_eq!(e.policy_for("x.example.com", 80, false), DenyInChildren);
+        assert_eq!(e.policy_for("x.example.com", 80, true), DenyInChildren);
+        assert_eq!(e.policy_for("example.com", 80, false), PerBranch);
+        assert_eq!(e.policy_for("example.com", 80, true), Pass);
+        assert_eq!(e.policy_for("10.0.0.1", 80, false), DenyInChildren);
+        assert_eq!(e.policy_for("10.0.0.1", 81, false), PerBranch);
+        let d = Effects::default();
+        assert_eq!(d.policy_for("a", 1, false), OncePerTree);
+        assert_eq!(d.policy_for("a", 1, true), Pass);
+        assert_eq!(d.max_response_bytes, 1 << 20);
+        assert_eq!(Contract::parse(&c.to_toml()).expect("again"), c);
+        assert!(!Contract::default().to_toml().contains("effects"));
+        for (text, needle) in [
+            (
+                "[effects.destinations]
+\"a:0\" = \"pass\"",
+                "bad port",
+            ),
+            (
+                "[effects.destinations]
+\"A.com\" = \"pass\"",
+                "bad host",
+            ),
+            (
+                "[effects.destinations]
+\"a.com\" = \"twice\"",
+                "twice",
+            ),
+            (
+                "[effects]
+max_response_bytes = 999999999",
+                "max_response_bytes",
+            ),
+            (
+                "[effects]
+limit = 1",
+                "limit",
+            ),
         ] {
             let e = Contract::parse(text).expect_err(text).to_string();
             assert!(e.contains(needle), "{text:?}: {e}");

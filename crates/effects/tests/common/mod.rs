@@ -1,0 +1,379 @@
+//! Test rig: the real gateway as a process (so kill -9 is real), a real
+//! HTTP server that counts what reaches it, and clients that talk to the
+//! per-branch sockets exactly as the VMM does (a Unix connection to
+//! `vms/NAME/vsock.sock_3128` carrying the guest's bytes).
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use effects::control::{self, Request};
+use effects::{Effects, MomentKind, Paths, Registration, Step};
+use http_body_util::{BodyExt, Full};
+
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "tine-fx-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// One request as the destination saw it.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub method: String,
+    pub path: String,
+    pub body: Vec<u8>,
+    pub key: Option<String>,
+}
+
+/// A real HTTP server on 127.0.0.1 (hyper, in its own thread). Paths:
+/// `/slow?ms=N` answers after N ms, `/big?bytes=N` answers N bytes, any
+/// other path answers `PATH #n` (n counts requests to that path).
+pub struct Server {
+    pub port: u16,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Server {
+    pub fn start() -> Self {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.set_nonblocking(true).expect("nonblocking");
+        let port = l.local_addr().expect("addr").port();
+        let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let s2 = seen.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(l).expect("listener");
+                loop {
+                    let Ok((s, _)) = l.accept().await else {
+                        continue;
+                    };
+                    let seen = s2.clone();
+                    tokio::spawn(async move {
+                        let svc = hyper::service::service_fn(move |req| {
+                            let seen = seen.clone();
+                            async move { Ok::<_, Infallible>(answer(seen, req).await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                            .await;
+                    });
+                }
+            });
+        });
+        Server { port, seen }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Requests to paths starting with `prefix`.
+    pub fn count(&self, prefix: &str) -> usize {
+        self.seen
+            .lock()
+            .expect("seen")
+            .iter()
+            .filter(|s| s.path.starts_with(prefix))
+            .count()
+    }
+
+    /// Waits until `n` requests to `prefix` arrived.
+    pub fn wait_count(&self, prefix: &str, n: usize, limit: Duration) {
+        let t0 = Instant::now();
+        while self.count(prefix) < n {
+            assert!(
+                t0.elapsed() < limit,
+                "the server saw {} requests to {prefix}, not {n}",
+                self.count(prefix)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+async fn answer(
+    seen: Arc<Mutex<Vec<Seen>>>,
+    req: hyper::Request<hyper::body::Incoming>,
+) -> hyper::Response<Full<Bytes>> {
+    let method = req.method().to_string();
+    let path = req.uri().path().to_string();
+    let query: HashMap<String, String> = req
+        .uri()
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes().to_vec())
+        .unwrap_or_default();
+    let n = {
+        let mut s = seen.lock().expect("seen");
+        s.push(Seen {
+            method,
+            path: path.clone(),
+            body,
+            key,
+        });
+        s.iter().filter(|x| x.path == path).count()
+    };
+    if let Some(ms) = query.get("ms").and_then(|m| m.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let body = match query.get("bytes").and_then(|b| b.parse::<usize>().ok()) {
+        Some(len) => Bytes::from(vec![b'x'; len]),
+        None => Bytes::from(format!("{path} #{n}")),
+    };
+    let mut r = hyper::Response::new(Full::new(body));
+    *r.status_mut() = hyper::StatusCode::CREATED;
+    r.headers_mut()
+        .insert("x-order", hyper::header::HeaderValue::from(n));
+    r
+}
+
+/// A gateway process over a temporary TINE_HOME.
+pub struct Gateway {
+    pub home: TempDir,
+    pub paths: Paths,
+    pub child: Option<Child>,
+}
+
+impl Gateway {
+    pub fn start() -> Self {
+        let home = TempDir::new("gw");
+        let paths = Paths::new(&home.0);
+        let mut g = Gateway {
+            home,
+            paths,
+            child: None,
+        };
+        g.spawn(None);
+        g
+    }
+
+    /// (Re)starts the process, with `TINE_EFFECTS_FAULT` if given.
+    pub fn spawn(&mut self, fault: Option<&str>) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tine-gateway"));
+        cmd.arg("--home")
+            .arg(&self.home.0)
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit());
+        match fault {
+            Some(f) => cmd.env(effects::gateway::FAULT_ENV, f),
+            None => cmd.env_remove(effects::gateway::FAULT_ENV),
+        };
+        let child = cmd.spawn().expect("start the gateway");
+        self.child = Some(child);
+        let t0 = Instant::now();
+        while !control::answers(&self.paths) {
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("the gateway ended at start: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "gateway did not answer"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the process to end on its own (an abort()).
+    pub fn wait_dead(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("a running gateway");
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().expect("wait") {
+                return st;
+            }
+            assert!(t0.elapsed() < limit, "the gateway did not end");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn call(&self, req: Request) -> control::Reply {
+        control::call(&self.paths.control(), &req, Duration::from_secs(30)).expect("control call")
+    }
+
+    pub fn socket(&self, vm: &str) -> PathBuf {
+        let d = self.home.0.join("vms").join(vm);
+        std::fs::create_dir_all(&d).expect("vm dir");
+        d.join("vsock.sock_3128")
+    }
+
+    /// Registers a root vm.
+    pub fn root(&self, vm: &str, effects: Effects) -> Registration {
+        let reg = Registration {
+            branch: effects::random_id().expect("id"),
+            vm: vm.into(),
+            socket: self.socket(vm),
+            lineage: vec![],
+            effects,
+        };
+        self.call(Request::Register { reg: reg.clone() });
+        reg
+    }
+
+    /// Forks `parent` into `names`, as the CLI does around the VMM's fork.
+    pub fn fork(&self, parent: &Registration, names: &[&str]) -> Vec<Registration> {
+        let moment = effects::random_id().expect("id");
+        self.call(Request::Moment {
+            branch: parent.branch.clone(),
+            moment: moment.clone(),
+            kind: MomentKind::Fork,
+        });
+        let mut lineage = parent.lineage.clone();
+        lineage.push(Step {
+            branch: parent.branch.clone(),
+            moment: moment.clone(),
+            kind: MomentKind::Fork,
+        });
+        let children: Vec<Registration> = names
+            .iter()
+            .map(|n| Registration {
+                branch: effects::random_id().expect("id"),
+                vm: n.to_string(),
+                socket: self.socket(n),
+                lineage: lineage.clone(),
+                effects: parent.effects.clone(),
+            })
+            .collect();
+        self.call(Request::MomentDone {
+            branch: parent.branch.clone(),
+            moment,
+            ok: true,
+            register: children.clone(),
+        });
+        children
+    }
+
+    pub fn journal(&self) -> effects::journal::Journal {
+        effects::journal::Journal::open(&self.paths.journal()).expect("journal")
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A response as the guest reads it.
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Sends raw bytes on a branch's socket and reads until the gateway closes.
+pub fn raw(socket: &Path, bytes: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut s = UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(bytes)?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Parses an HTTP/1.1 response (Content-Length or to EOF).
+pub fn parse(b: &[u8]) -> Option<Resp> {
+    let end = b.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&b[..end]).ok()?;
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let body = b[end + 4..].to_vec();
+    Some(Resp {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// A proxy request from `reg`'s guest.
+pub fn send(
+    reg: &Registration,
+    method: &str,
+    url: &str,
+    body: &str,
+    extra: &[(&str, &str)],
+) -> Resp {
+    let mut req = format!(
+        "{method} {url} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in extra {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    let out = raw(&reg.socket, req.as_bytes()).expect("proxy request");
+    parse(&out).unwrap_or_else(|| panic!("no HTTP response: {:?}", String::from_utf8_lossy(&out)))
+}

@@ -1,0 +1,411 @@
+//! The effects gateway against a real HTTP server, with branches made the
+//! way the CLI makes them (issue 7's test list).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{parse, raw, send, Gateway, Server};
+use effects::control::Request;
+use effects::{EffectPolicy, Effects};
+
+fn policy(pairs: &[(&str, EffectPolicy)], max: u64) -> Effects {
+    Effects {
+        max_response_bytes: max,
+        destinations: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect::<BTreeMap<_, _>>(),
+    }
+}
+
+/// A POST in flight when the parent is forked: the parent's connection is
+/// cut (its VMM process is gone), parent and 5 children retry; the server
+/// sees one request and every branch gets its response.
+#[test]
+fn test_in_flight_at_fork_reaches_the_server_once() {
+    let srv = Server::start();
+    let gw = Gateway::start();
+    let p = gw.root("p", Effects::default());
+    let url = srv.url("/order?ms=1500");
+    let first = {
+        let p = p.clone();
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let req = format!(
+                "POST {url} HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\npizza"
+            );
+            raw(&p.socket, req.as_bytes())
+        })
+    };
+    srv.wait_count("/order", 1, Duration::from_secs(10));
+    let children = gw.fork(&p, &["c1", "c2", "c3", "c4", "c5"]);
+    // The cut connection gets no response.
+    let cut = first.join().expect("thread").unwrap_or_default();
+    assert!(
+        parse(&cut).is_none(),
+        "the parent's old connection got a response: {:?}",
+        String::from_utf8_lossy(&cut)
+    );
+    let all: Vec<_> = std::iter::once(p.clone()).chain(children).collect();
+    let handles: Vec<_> = all
+        .iter()
+        .cloned()
+        .map(|r| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                send(&r, "POST", &url, "pizza", &[("Content-Type", "text/plain")])
+            })
+        })
+        .collect();
+    let resps: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("thread"))
+        .collect();
+    for (r, reg) in resps.iter().zip(&all) {
+        assert_eq!(r.status, 201, "{}: {r:?}", reg.vm);
+        assert_eq!(r.text(), "/order #1", "{}", reg.vm);
+        let fx = r.header("x-tine-effect").unwrap_or("");
+        assert!(
+            fx.starts_with("replayed;") && fx.contains("from=p"),
+            "{}: {fx}",
+            reg.vm
+        );
+    }
+    assert_eq!(srv.count("/order"), 1, "the destination saw the POST once");
+    // Releases are recorded once the connection ended (just after the
+    // guest read its end).
+    let t0 = std::time::Instant::now();
+    let list = loop {
+        let list = gw.journal().lineage_effects(&all[3].branch).expect("list");
+        if list.first().is_some_and(|e| e.replayed_to.len() == 6) || t0.elapsed().as_secs() > 5 {
+            break list;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(list[0].state, "replayed");
+    assert_eq!(list[0].executed_by, "p");
+    assert_eq!(list[0].key_source.as_deref(), Some("derived"));
+    assert_eq!(list[0].replayed_to.len(), 6, "{:?}", list[0].replayed_to);
+}
+
+/// A POST completed before the fork: children that repeat it get the
+/// recorded response (Idempotency-Key), and so do children of a moment
+/// taken before the parent made it (derived key).
+#[test]
+fn test_completed_before_fork_is_replayed() {
+    let srv = Server::start();
+    let gw = Gateway::start();
+    let p = gw.root("p", Effects::default());
+    let url = srv.url("/charge");
+    let r = send(&p, "POST", &url, "9.99", &[("Idempotency-Key", "charge-1")]);
+    assert_eq!((r.status, r.text().as_str()), (201, "/charge #1"));
+    assert!(r
+        .header("x-tine-effect")
+        .unwrap_or("")
+        .starts_with("executed;"));
+    let kids = gw.fork(&p, &["a", "b", "c"]);
+    for k in &kids {
+        let r = send(k, "POST", &url, "9.99", &[("Idempotency-Key", "charge-1")]);
+        assert_eq!(
+            (r.status, r.text().as_str()),
+            (201, "/charge #1"),
+            "{}",
+            k.vm
+        );
+        assert_eq!(r.header("x-order"), Some("1"));
+        assert!(r.header("x-tine-effect").unwrap_or("").contains("from=p"));
+    }
+    assert_eq!(srv.count("/charge"), 1);
+
+    // Derived keys: the moment first, then the parent sends; a child that
+    // sends the same request from that moment gets the parent's response.
+    let q = gw.root("q", Effects::default());
+    let kids = gw.fork(&q, &["q1", "q2"]);
+    let url = srv.url("/mail");
+    let r = send(&q, "POST", &url, "hello", &[]);
+    assert_eq!(r.text(), "/mail #1");
+    for k in &kids {
+        let r = send(k, "POST", &url, "hello", &[]);
+        assert_eq!(r.text(), "/mail #1", "{}", k.vm);
+        assert!(r
+            .header("x-tine-effect")
+            .unwrap_or("")
+            .starts_with("replayed;"));
+    }
+    assert_eq!(srv.count("/mail"), 1);
+    // The same request again is a new effect (a loop sends twice).
+    let r = send(&q, "POST", &url, "hello", &[]);
+    assert_eq!(r.text(), "/mail #2");
+    let r = send(&kids[0], "POST", &url, "hello", &[]);
+    assert_eq!(
+        r.text(),
+        "/mail #2",
+        "the child's second is the tree's second"
+    );
+    assert_eq!(srv.count("/mail"), 2);
+}
+
+#[test]
+fn test_per_branch_and_deny_in_children() {
+    let srv = Server::start();
+    let gw = Gateway::start();
+    let dest = format!("127.0.0.1:{}", srv.port);
+    let p = gw.root("p", policy(&[(&dest, EffectPolicy::PerBranch)], 1 << 20));
+    let r = send(&p, "POST", &srv.url("/a"), "", &[("Idempotency-Key", "ka")]);
+    assert_eq!(r.text(), "/a #1");
+    let kids = gw.fork(&p, &["k1", "k2", "k3"]);
+    for k in &kids {
+        // The parent's, before the fork point: replayed.
+        let r = send(k, "POST", &srv.url("/a"), "", &[("Idempotency-Key", "ka")]);
+        assert_eq!(r.text(), "/a #1", "{}", k.vm);
+        // Its own: executed once per branch, then replayed to its retry.
+        let r1 = send(k, "POST", &srv.url("/b"), "", &[("Idempotency-Key", "kb")]);
+        let r2 = send(k, "POST", &srv.url("/b"), "", &[("Idempotency-Key", "kb")]);
+        assert_eq!(r1.text(), r2.text(), "{}", k.vm);
+        assert!(r2
+            .header("x-tine-effect")
+            .unwrap_or("")
+            .starts_with("replayed;"));
+    }
+    assert_eq!(srv.count("/a"), 1);
+    assert_eq!(
+        srv.count("/b"),
+        3,
+        "each child's request reached the server once"
+    );
+    let r = send(&p, "POST", &srv.url("/b"), "", &[("Idempotency-Key", "kb")]);
+    assert!(r
+        .header("x-tine-effect")
+        .unwrap_or("")
+        .starts_with("executed;"));
+    assert_eq!(srv.count("/b"), 4, "the parent's own after the fork");
+
+    // deny-in-children: the root may, children get a clear refusal.
+    let d = gw.root(
+        "d",
+        policy(&[(&dest, EffectPolicy::DenyInChildren)], 1 << 20),
+    );
+    let r = send(&d, "POST", &srv.url("/pay"), "1", &[]);
+    assert_eq!(r.status, 201);
+    let kids = gw.fork(&d, &["d1", "d2"]);
+    for k in &kids {
+        for method in ["POST", "GET"] {
+            let r = send(k, method, &srv.url("/pay"), "", &[]);
+            assert_eq!(r.status, 403, "{method} {}", k.vm);
+            let t = r.text();
+            assert!(t.contains("deny-in-children") && t.contains(&dest), "{t}");
+        }
+        let out = raw(
+            &k.socket,
+            format!("CONNECT {dest} HTTP/1.1\r\nHost: {dest}\r\n\r\n").as_bytes(),
+        )
+        .expect("connect");
+        assert_eq!(parse(&out).map(|r| r.status), Some(403));
+    }
+    assert_eq!(srv.count("/pay"), 1);
+    let list = gw.journal().lineage_effects(&kids[0].branch).expect("list");
+    let refused = list.iter().filter(|e| e.state == "refused").count();
+    assert_eq!(refused, 3, "{list:?}");
+}
+
+/// kill -9 (abort) between the destination's response and the journal
+/// write: after a restart the effect is in doubt and a retry is not sent.
+#[test]
+fn test_crash_before_journal_leaves_it_in_doubt() {
+    let srv = Server::start();
+    let mut gw = Gateway::start();
+    gw.kill9();
+    gw.spawn(Some("after-response-before-journal"));
+    let p = gw.root("p", Effects::default());
+    let url = srv.url("/transfer");
+    let out = raw(
+        &p.socket,
+        format!("POST {url} HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n100").as_bytes(),
+    )
+    .unwrap_or_default();
+    assert!(parse(&out).is_none(), "no response may be released");
+    let st = gw.wait_dead(Duration::from_secs(10));
+    assert!(!st.success(), "{st}");
+    assert_eq!(srv.count("/transfer"), 1);
+    gw.spawn(None);
+    // The registration survived the restart; the retry is not sent.
+    for _ in 0..2 {
+        let r = send(&p, "POST", &url, "100", &[]);
+        if r.status != 409 {
+            let after = gw.journal().lineage_effects(&p.branch).expect("list");
+            panic!("{r:?} {after:#?}");
+        }
+        let t = r.text();
+        assert!(
+            t.contains("in doubt") && t.contains("tine effects resolve p"),
+            "{t}"
+        );
+    }
+    assert_eq!(srv.count("/transfer"), 1, "nothing re-sent silently");
+    let list = gw.journal().lineage_effects(&p.branch).expect("list");
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].state, "in-doubt");
+    let key = list[0].key.clone().expect("key");
+    // A human decides: send it again.
+    let mut j = gw.journal();
+    assert!(j.resolve(p.tree(), &key, true).expect("resolve").is_some());
+    let r = send(&p, "POST", &url, "100", &[]);
+    assert_eq!((r.status, r.text().as_str()), (201, "/transfer #2"));
+    // Or: treat it as failed.
+    gw.kill9();
+    gw.spawn(Some("after-response-before-journal"));
+    let _ = raw(
+        &p.socket,
+        format!("POST {url} HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx").as_bytes(),
+    );
+    gw.wait_dead(Duration::from_secs(10));
+    gw.spawn(None);
+    let list = gw.journal().lineage_effects(&p.branch).expect("list");
+    let doubt = list
+        .iter()
+        .find(|e| e.state == "in-doubt")
+        .expect("in doubt");
+    j.resolve(p.tree(), doubt.key.as_deref().expect("key"), false)
+        .expect("resolve");
+    let r = send(&p, "POST", &url, "x", &[]);
+    assert_eq!(r.status, 502);
+    assert!(r.text().contains("resolved as failed"), "{}", r.text());
+    assert_eq!(srv.count("/transfer"), 3);
+}
+
+#[test]
+fn test_bad_input_gets_clear_errors_and_one_row() {
+    let srv = Server::start();
+    let gw = Gateway::start();
+    let p = gw.root("p", policy(&[], 1024));
+    let s = &p.socket;
+    let status = |bytes: &[u8]| parse(&raw(s, bytes).expect("raw")).map(|r| (r.status, r.text()));
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        ("garbage", b"NOT HTTP AT ALL\r\n\r\n".to_vec(), 400, ""),
+        ("binary", vec![0u8, 1, 2, 255, 13, 10, 13, 10], 400, ""),
+        (
+            "origin-form",
+            b"GET / HTTP/1.1\r\nHost: example\r\n\r\n".to_vec(),
+            400,
+            "absolute URLs",
+        ),
+        (
+            "https absolute-form",
+            b"GET https://example/ HTTP/1.1\r\nHost: example\r\n\r\n".to_vec(),
+            400,
+            "CONNECT",
+        ),
+        (
+            "bad content-length",
+            format!(
+                "POST {} HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+                srv.url("/x")
+            )
+            .into_bytes(),
+            400,
+            "",
+        ),
+        (
+            "bad idempotency key",
+            format!(
+                "POST {} HTTP/1.1\r\nIdempotency-Key: {}\r\nContent-Length: 0\r\n\r\n",
+                srv.url("/x"),
+                "k".repeat(300)
+            )
+            .into_bytes(),
+            400,
+            "Idempotency-Key",
+        ),
+        (
+            "CONNECT without port",
+            b"CONNECT example HTTP/1.1\r\nHost: example\r\n\r\n".to_vec(),
+            400,
+            "",
+        ),
+    ];
+    for (what, bytes, want, needle) in cases {
+        let (st, t) = status(&bytes).unwrap_or_else(|| panic!("{what}: no response"));
+        assert_eq!(st, want, "{what}: {t}");
+        assert!(t.contains(needle), "{what}: {t}");
+    }
+    // A body cut short: the guest closes its sending side early.
+    {
+        use std::io::{Read, Write};
+        let mut c = std::os::unix::net::UnixStream::connect(s).expect("connect");
+        let req = format!(
+            "POST {} HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly ten!!",
+            srv.url("/x")
+        );
+        c.write_all(req.as_bytes()).expect("write");
+        c.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        if let Some(r) = parse(&out) {
+            assert_eq!(r.status, 400, "{r:?}");
+        }
+    }
+    assert_eq!(srv.count("/x"), 0, "nothing malformed reached the server");
+    // A header-only POST without a key: derived, executed once, journaled once.
+    let r = send(&p, "POST", &srv.url("/empty"), "", &[]);
+    assert_eq!(r.status, 201);
+    // A response over the limit: the branch that made it gets all of it.
+    let big = srv.url("/big?bytes=5000");
+    let r = send(&p, "POST", &big, "", &[("Idempotency-Key", "big")]);
+    assert_eq!((r.status, r.body.len()), (201, 5000));
+    let kids = gw.fork(&p, &["c"]);
+    let r = send(&kids[0], "POST", &big, "", &[("Idempotency-Key", "big")]);
+    assert_eq!(r.status, 409, "{r:?}");
+    assert!(
+        r.text().contains("larger than the journal keeps"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(srv.count("/big"), 1);
+    // GET passes, every time, journaled, never replayed.
+    for _ in 0..2 {
+        let r = send(&p, "GET", &srv.url("/page"), "", &[]);
+        assert_eq!(r.status, 201);
+        assert_eq!(r.header("x-tine-effect"), Some("passed"));
+    }
+    assert_eq!(srv.count("/page"), 2);
+    // A CONNECT tunnel: bytes pass through, journaled by destination.
+    {
+        use std::io::{Read, Write};
+        let dest = format!("127.0.0.1:{}", srv.port);
+        let mut c = std::os::unix::net::UnixStream::connect(s).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        c.write_all(format!("CONNECT {dest} HTTP/1.1\r\nHost: {dest}\r\n\r\n").as_bytes())
+            .expect("write");
+        let mut buf = [0u8; 1024];
+        let n = c.read(&mut buf).expect("read");
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "{:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        c.write_all(b"GET /tunneled HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .expect("write");
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        assert!(String::from_utf8_lossy(&out).contains("/tunneled #1"));
+    }
+    let st = gw.call(Request::Status).status.expect("status");
+    let counts: BTreeMap<String, i64> = st.effects.into_iter().collect();
+    let want: BTreeMap<String, i64> = [
+        ("completed", 1),
+        ("too-large", 1),
+        ("passed", 2),
+        ("tunnel", 1),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_eq!(
+        counts, want,
+        "nothing journaled twice, nothing malformed journaled"
+    );
+}
