@@ -1,0 +1,1171 @@
+//! The store: chunks in a backend, the tree in a [`Meta`] database, and
+//! the operations the CLI and VMM call (write a snapshot, read a layer,
+//! branches, tree, gc, verify).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::backend::{Backend, BackendError, LocalBackend};
+use crate::chunk::{self, ChunkId};
+use crate::chunks::{ChunkCounters, ChunkError, Chunks};
+use crate::fault::{self, Point};
+use crate::layer::{Dirty, LayerView, Source, Window};
+use crate::lease;
+use crate::meta::{
+    BranchChange, BranchId, BranchRow, BranchState, Entry, LayerKind, LayerRow, Lease, Meta,
+    MetaError, NewWindow, Pin, Sizes, SnapshotId, SnapshotRow, SnapshotState, SqliteMeta, Totals,
+};
+use crate::progress::Progress;
+use crate::s3::{S3Backend, S3Config};
+
+/// The window (chunk) size of new layers, chosen by measurement
+/// (docs/design/store.md): dedup of sibling memory vs put/get throughput
+/// vs metadata rows.
+pub const DEFAULT_WINDOW_SIZE: u64 = 256 << 10;
+
+/// zstd level of stored chunks (docs/design/store.md).
+pub const DEFAULT_ZSTD_LEVEL: i32 = 1;
+
+/// The largest window a store accepts.
+pub const MAX_WINDOW_SIZE: u64 = 64 << 20;
+
+/// Where chunks go.
+#[derive(Clone, Debug)]
+pub enum BackendConfig {
+    /// `DIR/chunks/ab/cdef…`.
+    Local,
+    /// An S3 bucket, with a local cache at `DIR/cache`.
+    S3(S3Config),
+    /// Any backend; `remote` puts a cache at `DIR/cache` in front of it.
+    Custom {
+        backend: Arc<dyn Backend>,
+        remote: bool,
+    },
+}
+
+/// How to open a store.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// `$TINE_HOME/store`: `tree.db`, and `chunks/` or `cache/`.
+    pub dir: PathBuf,
+    pub backend: BackendConfig,
+    /// Window size of new layers (a diff layer keeps its parent's).
+    pub window_size: u64,
+    pub zstd_level: i32,
+    /// Worker threads for puts, restores, verify (0: one per CPU, at
+    /// least 8 for a remote backend).
+    pub threads: usize,
+    /// How long a writer's or gc's lease lasts without renewal. A writer
+    /// renews it with every batch of chunks.
+    pub lease_ttl: Duration,
+}
+
+/// The environment variable that selects the backend: unset or `local`,
+/// or `s3://bucket[/prefix]` (endpoint and keys from `AWS_*`).
+pub const BACKEND_ENV: &str = "TINE_STORE";
+
+impl StoreConfig {
+    /// A local store in `dir`, default settings.
+    pub fn local(dir: &Path) -> StoreConfig {
+        StoreConfig {
+            dir: dir.into(),
+            backend: BackendConfig::Local,
+            window_size: DEFAULT_WINDOW_SIZE,
+            zstd_level: DEFAULT_ZSTD_LEVEL,
+            threads: 0,
+            lease_ttl: Duration::from_secs(600),
+        }
+    }
+
+    /// The store of `tine_home` (`$TINE_HOME/store`), backend from
+    /// `TINE_STORE`.
+    pub fn from_env(tine_home: &Path) -> Result<StoreConfig, StoreError> {
+        let mut cfg = StoreConfig::local(&tine_home.join("store"));
+        match std::env::var(BACKEND_ENV) {
+            Ok(v) if !v.is_empty() && v != "local" => {
+                cfg.backend = BackendConfig::S3(S3Config::from_url(&v)?);
+            }
+            _ => {}
+        }
+        Ok(cfg)
+    }
+}
+
+/// An error of the store. Chunk errors name the chunk and, where the
+/// caller reads a layer, the snapshot, layer and window.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("{context}: {source}")]
+    Chunk {
+        context: String,
+        #[source]
+        source: Box<ChunkError>,
+    },
+    #[error("snapshot {snapshot} has no {kind} layer")]
+    NoLayer {
+        snapshot: SnapshotId,
+        kind: LayerKind,
+    },
+    #[error("reading the {kind} layer's source at byte {offset}: {source}")]
+    Source {
+        kind: LayerKind,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the {kind} layer's source changed while it was being stored (window {window})")]
+    SourceChanged { kind: LayerKind, window: u64 },
+    #[error("{context}: writing: {source}")]
+    Sink {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("compressing a chunk: {0}")]
+    Compress(#[source] std::io::Error),
+    #[error("gave up waiting for a gc to finish deleting chunk {0}")]
+    GcBusy(ChunkId),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+struct Inner {
+    dir: PathBuf,
+    meta: Box<dyn Meta>,
+    chunks: Chunks,
+    window_size: u64,
+    threads: usize,
+    lease_ttl: Duration,
+}
+
+/// A snapshot tree store. Cheap to clone and share between threads; do
+/// not carry one across fork(2) into a child that uses it (open it again:
+/// SQLite connections must not cross fork(2)).
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Store({}, {})",
+            self.inner.meta.describe(),
+            self.inner.chunks.backend().describe()
+        )
+    }
+}
+
+/// A snapshot as readers see it.
+#[derive(Clone, Debug, Serialize)]
+pub struct SnapshotInfo {
+    pub id: SnapshotId,
+    pub parent: Option<SnapshotId>,
+    pub created_ms: i64,
+    /// The caller's manifest (JSON text).
+    pub manifest: String,
+    /// Pages touched soon after the last wake (page numbers in the memory
+    /// layer, 4 KiB pages), to prefetch on the next one.
+    pub working_set: Vec<u64>,
+    pub layers: Vec<LayerRow>,
+}
+
+/// What storing one layer did.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct LayerStats {
+    pub windows: u64,
+    /// Windows read and hashed.
+    pub examined: u64,
+    /// Windows recorded in this layer (the rest come from the parent, or
+    /// are zero in a first layer).
+    pub recorded: u64,
+    pub zero: u64,
+    /// Examined windows identical to the parent's.
+    pub unchanged: u64,
+    /// Chunks put to the backend.
+    pub chunks_put: u64,
+    pub stored_bytes_put: u64,
+    /// Recorded chunks the store already held (deduplicated).
+    pub deduplicated: u64,
+    pub logical_bytes: u64,
+}
+
+/// A snapshot being written. Invisible until [`SnapshotWriter::commit`];
+/// dropped without commit, its rows are removed (its chunks are left for
+/// gc). A process killed mid-write leaves a pending row that gc reaps.
+pub struct SnapshotWriter {
+    store: Store,
+    id: SnapshotId,
+    parent: Option<SnapshotId>,
+    layers: Vec<(LayerKind, LayerRow)>,
+    blobs: Vec<(String, Vec<u8>)>,
+    working_set: Vec<u64>,
+    done: bool,
+}
+
+impl std::fmt::Debug for SnapshotWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SnapshotWriter({})", self.id)
+    }
+}
+
+/// One snapshot of the tree with its sizes.
+#[derive(Clone, Debug, Serialize)]
+pub struct TreeSnapshot {
+    pub id: SnapshotId,
+    pub parent: Option<SnapshotId>,
+    pub created_ms: i64,
+    pub manifest: serde_json::Value,
+    pub layers: Vec<LayerRow>,
+    pub sizes: Sizes,
+}
+
+/// The whole tree: committed snapshots (oldest first), branches, totals.
+#[derive(Clone, Debug, Serialize)]
+pub struct Tree {
+    pub snapshots: Vec<TreeSnapshot>,
+    pub branches: Vec<BranchRow>,
+    pub totals: Totals,
+    pub metadata_bytes: u64,
+}
+
+/// A chunk `verify` found missing or corrupt.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkProblem {
+    pub chunk: ChunkId,
+    /// Committed snapshots that reference it.
+    pub snapshots: Vec<SnapshotId>,
+    pub problem: String,
+}
+
+/// What `verify` found.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct VerifyReport {
+    pub chunks_checked: u64,
+    pub stored_bytes_checked: u64,
+    pub missing: Vec<ChunkProblem>,
+    pub corrupt: Vec<ChunkProblem>,
+    /// Committed snapshots referencing a chunk not marked durable (never
+    /// expected).
+    pub not_durable: Vec<ChunkProblem>,
+    /// Backend objects no row knows (leftovers for gc; not a problem).
+    pub orphans: u64,
+    /// Snapshots still pending (being written, or leftovers for gc).
+    pub pending: u64,
+}
+
+impl VerifyReport {
+    /// No missing, corrupt or non-durable chunk.
+    pub fn is_ok(&self) -> bool {
+        self.missing.is_empty() && self.corrupt.is_empty() && self.not_durable.is_empty()
+    }
+}
+
+impl std::fmt::Display for VerifyReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} chunks checked ({} stored bytes): {} missing, {} corrupt, {} not durable; {} orphan objects, {} pending snapshots",
+            self.chunks_checked,
+            self.stored_bytes_checked,
+            self.missing.len(),
+            self.corrupt.len(),
+            self.not_durable.len(),
+            self.orphans,
+            self.pending
+        )?;
+        for p in self
+            .missing
+            .iter()
+            .chain(&self.corrupt)
+            .chain(&self.not_durable)
+        {
+            let users: Vec<String> = p.snapshots.iter().map(|s| s.to_string()).collect();
+            writeln!(
+                f,
+                "  chunk {} (snapshots {}): {}",
+                p.chunk,
+                if users.is_empty() {
+                    "none".into()
+                } else {
+                    users.join(", ")
+                },
+                p.problem
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What gc may remove besides unreferenced chunks.
+#[derive(Clone, Debug)]
+pub struct GcOptions {
+    /// Also remove committed snapshots with no child and no running or
+    /// sleeping branch (repeatedly, up the tree).
+    pub prune_snapshots: bool,
+    /// Temporary files of interrupted puts are removed when their writer
+    /// is gone, or when older than this.
+    pub leftover_age: Duration,
+}
+
+impl Default for GcOptions {
+    fn default() -> GcOptions {
+        GcOptions {
+            prune_snapshots: false,
+            leftover_age: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// What gc did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GcReport {
+    /// Pending snapshots whose writer was gone.
+    pub pending_reaped: Vec<SnapshotId>,
+    pub snapshots_pruned: Vec<SnapshotId>,
+    pub chunks_deleted: u64,
+    pub stored_bytes_freed: u64,
+    /// Temporary files of interrupted puts.
+    pub leftovers_removed: u64,
+}
+
+/// Runs `f` on every item with `threads` threads; the first error stops
+/// the rest and is returned.
+pub(crate) fn parallel<T: Sync>(
+    threads: usize,
+    items: &[T],
+    f: impl Fn(&T) -> Result<(), StoreError> + Sync,
+) -> Result<(), StoreError> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first: Mutex<Option<StoreError>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, items.len().max(1)) {
+            s.spawn(|| loop {
+                if failed.load(Ordering::Relaxed) {
+                    return;
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { return };
+                if let Err(e) = f(item) {
+                    failed.store(true, Ordering::Relaxed);
+                    let mut g = first.lock().unwrap_or_else(|e| e.into_inner());
+                    if g.is_none() {
+                        *g = Some(e);
+                    }
+                    return;
+                }
+            });
+        }
+    });
+    match first.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+impl Store {
+    /// Opens (creating it if needed) the store `cfg` describes.
+    pub fn open(cfg: StoreConfig) -> Result<Store, StoreError> {
+        if cfg.window_size == 0
+            || cfg.window_size > MAX_WINDOW_SIZE
+            || !cfg.window_size.is_power_of_two()
+            || cfg.window_size < 4096
+        {
+            return Err(StoreError::Invalid(format!(
+                "window size {} is not a power of two from 4 KiB to {} MiB",
+                cfg.window_size,
+                MAX_WINDOW_SIZE >> 20
+            )));
+        }
+        std::fs::create_dir_all(&cfg.dir).map_err(|source| BackendError::Io {
+            path: cfg.dir.clone(),
+            source,
+        })?;
+        let meta = SqliteMeta::open(&cfg.dir.join("tree.db"))?;
+        let (backend, remote): (Arc<dyn Backend>, bool) = match &cfg.backend {
+            BackendConfig::Local => (Arc::new(LocalBackend::new(&cfg.dir.join("chunks"))?), false),
+            BackendConfig::S3(s3) => (Arc::new(S3Backend::new(s3.clone())?), true),
+            BackendConfig::Custom { backend, remote } => (backend.clone(), *remote),
+        };
+        let cache = if remote {
+            Some(LocalBackend::cache(&cfg.dir.join("cache"))?)
+        } else {
+            None
+        };
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = match cfg.threads {
+            0 if remote => cpus.max(8),
+            0 => cpus.max(2),
+            n => n,
+        };
+        Ok(Store {
+            inner: Arc::new(Inner {
+                dir: cfg.dir,
+                meta: Box::new(meta),
+                chunks: Chunks::new(backend, cache, cfg.zstd_level),
+                window_size: cfg.window_size,
+                threads,
+                lease_ttl: cfg.lease_ttl,
+            }),
+        })
+    }
+
+    /// The store of `tine_home` as `TINE_STORE` selects.
+    pub fn open_home(tine_home: &Path) -> Result<Store, StoreError> {
+        Store::open(StoreConfig::from_env(tine_home)?)
+    }
+
+    /// The store's directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The metadata database (for what this API does not wrap).
+    pub fn meta(&self) -> &dyn Meta {
+        self.inner.meta.as_ref()
+    }
+
+    /// The chunk layer (backend, cache, counters).
+    pub fn chunks(&self) -> &Chunks {
+        &self.inner.chunks
+    }
+
+    /// Chunk traffic since open (cache hits, backend reads, puts).
+    pub fn counters(&self) -> ChunkCounters {
+        self.inner.chunks.counters()
+    }
+
+    pub(crate) fn threads(&self) -> usize {
+        self.inner.threads
+    }
+
+    fn lease(&self) -> Lease {
+        Lease {
+            owner: lease::owner(),
+            expires_ms: self.lease_expiry(),
+        }
+    }
+
+    fn lease_expiry(&self) -> i64 {
+        lease::now_ms() + self.inner.lease_ttl.as_millis() as i64
+    }
+
+    // --- writing ---
+
+    /// Starts a snapshot whose parent is `parent` (a committed snapshot:
+    /// its layers are the parents of this one's) with `manifest` (JSON
+    /// text: the caller's record; checked to be JSON).
+    pub fn begin(
+        &self,
+        parent: Option<SnapshotId>,
+        manifest: &str,
+    ) -> Result<SnapshotWriter, StoreError> {
+        serde_json::from_str::<serde_json::Value>(manifest)
+            .map_err(|e| StoreError::Invalid(format!("the manifest is not JSON: {e}")))?;
+        let id = self
+            .inner
+            .meta
+            .begin_snapshot(parent, manifest, &self.lease())?;
+        Ok(SnapshotWriter {
+            store: self.clone(),
+            id,
+            parent,
+            layers: Vec::new(),
+            blobs: Vec::new(),
+            working_set: Vec::new(),
+            done: false,
+        })
+    }
+
+    // --- reading ---
+
+    /// A committed snapshot.
+    pub fn snapshot(&self, id: SnapshotId) -> Result<SnapshotInfo, StoreError> {
+        let row = self
+            .inner
+            .meta
+            .snapshot(id)?
+            .filter(|r| r.state == SnapshotState::Committed)
+            .ok_or(MetaError::NoSnapshot(id))?;
+        self.info(row)
+    }
+
+    fn info(&self, row: SnapshotRow) -> Result<SnapshotInfo, StoreError> {
+        Ok(SnapshotInfo {
+            layers: self.inner.meta.layers(row.id)?,
+            id: row.id,
+            parent: row.parent,
+            created_ms: row.created_ms,
+            manifest: row.manifest,
+            working_set: row.working_set,
+        })
+    }
+
+    /// Every committed snapshot, oldest first.
+    pub fn snapshots(&self) -> Result<Vec<SnapshotInfo>, StoreError> {
+        self.inner
+            .meta
+            .snapshots(SnapshotState::Committed)?
+            .into_iter()
+            .map(|r| self.info(r))
+            .collect()
+    }
+
+    /// A blob a snapshot was written with (see [`SnapshotWriter::put_blob`]).
+    pub fn blob(&self, id: SnapshotId, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.snapshot(id)?;
+        Ok(self.inner.meta.blob(id, name)?)
+    }
+
+    /// The `kind` layer of committed snapshot `id`, its chain resolved.
+    pub fn layer(&self, id: SnapshotId, kind: LayerKind) -> Result<LayerView, StoreError> {
+        let info = self.snapshot(id)?;
+        let top = info
+            .layers
+            .iter()
+            .find(|l| l.kind == kind)
+            .copied()
+            .ok_or(StoreError::NoLayer { snapshot: id, kind })?;
+        self.view(top)
+    }
+
+    fn view(&self, top: LayerRow) -> Result<LayerView, StoreError> {
+        let n = top.size.div_ceil(top.window_size);
+        let n = usize::try_from(n)
+            .map_err(|_| StoreError::Invalid(format!("a layer of {} bytes", top.size)))?;
+        let mut slots: Vec<Option<Window>> = vec![None; n];
+        let mut unset = n;
+        let mut layer = Some(top);
+        let mut seen = HashSet::new();
+        while let Some(l) = layer {
+            if unset == 0 {
+                break;
+            }
+            if !seen.insert(l.id) {
+                return Err(
+                    MetaError::Corrupt(format!("layer {:?} is its own ancestor", l.id)).into(),
+                );
+            }
+            if l.window_size != top.window_size {
+                return Err(MetaError::Corrupt(format!(
+                    "layer {:?} has {}-byte windows, its child {}",
+                    l.id, l.window_size, top.window_size
+                ))
+                .into());
+            }
+            for (idx, e) in self.inner.meta.windows(l.id)? {
+                let Some(slot) = usize::try_from(idx).ok().and_then(|i| slots.get_mut(i)) else {
+                    continue;
+                };
+                if slot.is_none() {
+                    *slot = Some(match e {
+                        Entry::Zero => Window::Zero,
+                        Entry::Chunk(id) => Window::Chunk {
+                            id,
+                            from: l.snapshot,
+                        },
+                    });
+                    unset -= 1;
+                }
+            }
+            layer = match l.parent {
+                Some(p) => Some(
+                    self.inner
+                        .meta
+                        .layer(p)?
+                        .ok_or_else(|| MetaError::Corrupt(format!("layer {p:?} is missing")))?,
+                ),
+                None => None,
+            };
+        }
+        Ok(LayerView {
+            store: self.clone(),
+            top,
+            slots: slots
+                .into_iter()
+                .map(|s| s.unwrap_or(Window::Zero))
+                .collect(),
+        })
+    }
+
+    // --- branches ---
+
+    /// A new branch starting from committed snapshot `snapshot`.
+    pub fn create_branch(
+        &self,
+        name: &str,
+        snapshot: SnapshotId,
+        state: BranchState,
+    ) -> Result<BranchId, StoreError> {
+        Ok(self.inner.meta.create_branch(name, snapshot, state)?)
+    }
+
+    /// Sets a branch's state (and its snapshot, when given).
+    pub fn set_branch(
+        &self,
+        id: BranchId,
+        snapshot: Option<SnapshotId>,
+        state: BranchState,
+    ) -> Result<(), StoreError> {
+        Ok(self.inner.meta.update_branch(id, snapshot, state)?)
+    }
+
+    /// The running or sleeping branch called `name`.
+    pub fn branch(&self, name: &str) -> Result<Option<BranchRow>, StoreError> {
+        Ok(self.inner.meta.branch(name)?)
+    }
+
+    /// Every branch, gone ones included.
+    pub fn branches(&self) -> Result<Vec<BranchRow>, StoreError> {
+        Ok(self.inner.meta.branches()?)
+    }
+
+    // --- the tree ---
+
+    /// Committed snapshots with own/shared sizes, branches, totals.
+    pub fn tree(&self) -> Result<Tree, StoreError> {
+        let sizes: BTreeMap<SnapshotId, Sizes> = self.inner.meta.sizes()?.into_iter().collect();
+        let snapshots = self
+            .snapshots()?
+            .into_iter()
+            .map(|s| TreeSnapshot {
+                id: s.id,
+                parent: s.parent,
+                created_ms: s.created_ms,
+                manifest: serde_json::from_str(&s.manifest).unwrap_or(serde_json::Value::Null),
+                layers: s.layers,
+                sizes: sizes.get(&s.id).copied().unwrap_or_default(),
+            })
+            .collect();
+        Ok(Tree {
+            snapshots,
+            branches: self.inner.meta.branches()?,
+            totals: self.inner.meta.totals()?,
+            metadata_bytes: self.inner.meta.metadata_bytes()?,
+        })
+    }
+
+    /// Totals over committed snapshots.
+    pub fn totals(&self) -> Result<Totals, StoreError> {
+        Ok(self.inner.meta.totals()?)
+    }
+
+    // --- verify ---
+
+    /// Checks every chunk the tree knows as stored: present in the
+    /// backend, decompresses, hashes to its id. Reads the backend, never
+    /// the cache.
+    pub fn verify(&self, progress: &dyn Progress) -> Result<VerifyReport, StoreError> {
+        let meta = &self.inner.meta;
+        let rows: Vec<_> = meta.chunks()?.into_iter().filter(|r| !r.deleting).collect();
+        let objects: HashSet<ChunkId> = self.inner.chunks.backend().list()?.into_iter().collect();
+        let known: HashSet<ChunkId> = rows.iter().map(|r| r.id).collect();
+        let mut report = VerifyReport {
+            orphans: objects.iter().filter(|o| !known.contains(o)).count() as u64,
+            pending: meta.snapshots(SnapshotState::Pending)?.len() as u64,
+            ..VerifyReport::default()
+        };
+        for r in rows.iter().filter(|r| !r.stored) {
+            let users = meta.chunk_users(&r.id)?;
+            if !users.is_empty() {
+                report.not_durable.push(ChunkProblem {
+                    chunk: r.id,
+                    snapshots: users,
+                    problem: "referenced by a committed snapshot but never marked durable".into(),
+                });
+            }
+        }
+        let stored: Vec<_> = rows.into_iter().filter(|r| r.stored).collect();
+        progress.start("verify", stored.iter().map(|r| r.stored_len).sum());
+        let checked = AtomicU64::new(0);
+        let bytes = AtomicU64::new(0);
+        let bad: Mutex<Vec<(ChunkId, bool, String)>> = Mutex::new(Vec::new());
+        let res = parallel(self.threads(), &stored, |r| {
+            let limit = if r.raw_len > 0 {
+                r.raw_len
+            } else {
+                MAX_WINDOW_SIZE
+            } as usize;
+            match self.inner.chunks.verify_backend(&r.id, limit) {
+                Ok(n) => {
+                    bytes.fetch_add(n, Ordering::Relaxed);
+                }
+                Err(e @ ChunkError::Missing { .. }) => {
+                    bad.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((r.id, true, e.to_string()));
+                }
+                Err(e @ ChunkError::Corrupt { .. }) => {
+                    bad.lock().unwrap_or_else(|e| e.into_inner()).push((
+                        r.id,
+                        false,
+                        e.to_string(),
+                    ));
+                }
+                Err(ChunkError::Backend(e)) => return Err(e.into()),
+            }
+            checked.fetch_add(1, Ordering::Relaxed);
+            progress.advance(r.stored_len);
+            Ok(())
+        });
+        progress.finish();
+        res?;
+        report.chunks_checked = checked.into_inner();
+        report.stored_bytes_checked = bytes.into_inner();
+        for (id, missing, problem) in bad.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let p = ChunkProblem {
+                chunk: id,
+                snapshots: meta.chunk_users(&id)?,
+                problem,
+            };
+            if missing {
+                report.missing.push(p);
+            } else {
+                report.corrupt.push(p);
+            }
+        }
+        Ok(report)
+    }
+
+    // --- gc ---
+
+    /// Removes pending snapshots whose writer is gone, optionally prunes
+    /// unreferenced snapshots, then deletes every chunk no window
+    /// references (and backend objects no row knows), and leftovers of
+    /// interrupted puts. Never deletes a chunk a committed snapshot or a
+    /// live writer references (see the protocol in [`crate::meta`]).
+    pub fn gc(&self, opts: &GcOptions, progress: &dyn Progress) -> Result<GcReport, StoreError> {
+        let meta = &self.inner.meta;
+        let mut report = GcReport {
+            pending_reaped: meta.reap_pending(&lease::gone)?,
+            ..GcReport::default()
+        };
+        if opts.prune_snapshots {
+            report.snapshots_pruned = meta.prune_snapshots()?;
+        }
+        let objects = self.inner.chunks.backend().list()?;
+        let lease = self.lease();
+        let doomed = meta.gc_mark(&lease, &objects, &lease::gone)?;
+        progress.start("gc", doomed.len() as u64);
+        let deleted = AtomicU64::new(0);
+        let res = parallel(self.threads(), &doomed, |(id, _)| {
+            self.inner.chunks.delete(id)?;
+            fault::point(Point::GcMid);
+            deleted.fetch_add(1, Ordering::Relaxed);
+            progress.advance(1);
+            Ok(())
+        });
+        progress.finish();
+        res?;
+        meta.gc_forget(
+            &lease.owner,
+            &doomed.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+        )?;
+        report.chunks_deleted = deleted.into_inner();
+        report.stored_bytes_freed = doomed.iter().map(|(_, n)| n).sum();
+        report.leftovers_removed = self
+            .inner
+            .chunks
+            .backend()
+            .clean_leftovers(opts.leftover_age)?;
+        if let Some(c) = self.inner.chunks.cache() {
+            report.leftovers_removed += c.clean_leftovers(opts.leftover_age)?;
+        }
+        Ok(report)
+    }
+}
+
+/// One window's result before it is pinned.
+struct Item {
+    index: u64,
+    entry: Entry,
+    stored: Option<Vec<u8>>,
+    raw_len: u64,
+}
+
+impl SnapshotWriter {
+    /// This snapshot's id (not visible to readers until commit).
+    pub fn id(&self) -> SnapshotId {
+        self.id
+    }
+
+    /// Stores a layer of `kind` read from `source`. With a parent layer
+    /// (the parent snapshot's layer of the same kind) only the windows
+    /// `dirty` names are looked at, and of those only the ones that differ
+    /// from the parent are recorded; without one, every non-zero window
+    /// is recorded. Chunks are durable in the backend when this returns.
+    pub fn put_layer<S: Source + ?Sized>(
+        &mut self,
+        kind: LayerKind,
+        source: &S,
+        dirty: &Dirty<'_>,
+        progress: &dyn Progress,
+    ) -> Result<LayerStats, StoreError> {
+        if self.layers.iter().any(|(k, _)| *k == kind) {
+            return Err(StoreError::Invalid(format!(
+                "snapshot {} already has a {kind} layer",
+                self.id
+            )));
+        }
+        let store = self.store.clone();
+        let meta = &store.inner.meta;
+        let parent_view = match self.parent {
+            Some(p) => match store.layer(p, kind) {
+                Ok(v) => Some(v),
+                Err(StoreError::NoLayer { .. }) => None,
+                Err(e) => return Err(e),
+            },
+            None => None,
+        };
+        let ws = parent_view
+            .as_ref()
+            .map_or(store.inner.window_size, |v| v.window_size());
+        let size = source.len();
+        let count = size.div_ceil(ws);
+        let todo: Vec<u64> = match (&parent_view, dirty.windows(ws, count)) {
+            (Some(_), Some(list)) => list,
+            _ => (0..count).collect(),
+        };
+        let layer = meta.add_layer(
+            self.id,
+            kind,
+            parent_view.as_ref().map(|v| v.top.id),
+            size,
+            ws,
+        )?;
+        let row = meta
+            .layer(layer)?
+            .ok_or_else(|| MetaError::Corrupt(format!("layer {layer:?} vanished")))?;
+        self.layers.push((kind, row));
+
+        // Batches of about 8 MiB: each is read, hashed, compressed, pinned,
+        // put and marked stored by one worker.
+        let per = ((8u64 << 20) / ws).max(1) as usize;
+        let batches: Vec<&[u64]> = todo.chunks(per).collect();
+        let stats = Mutex::new(LayerStats {
+            windows: count,
+            ..LayerStats::default()
+        });
+        progress.start(&format!("{kind} layer"), todo.len() as u64 * ws);
+        let res = parallel(store.threads(), &batches, |batch| {
+            let s = self.put_batch(kind, layer, source, size, ws, batch, parent_view.as_ref())?;
+            let mut g = stats.lock().unwrap_or_else(|e| e.into_inner());
+            g.examined += s.examined;
+            g.recorded += s.recorded;
+            g.zero += s.zero;
+            g.unchanged += s.unchanged;
+            g.chunks_put += s.chunks_put;
+            g.stored_bytes_put += s.stored_bytes_put;
+            g.deduplicated += s.deduplicated;
+            g.logical_bytes += s.logical_bytes;
+            drop(g);
+            progress.advance(batch.len() as u64 * ws);
+            Ok(())
+        });
+        progress.finish();
+        res?;
+        Ok(stats.into_inner().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_batch<S: Source + ?Sized>(
+        &self,
+        kind: LayerKind,
+        layer: crate::meta::LayerId,
+        source: &S,
+        size: u64,
+        ws: u64,
+        batch: &[u64],
+        parent: Option<&LayerView>,
+    ) -> Result<LayerStats, StoreError> {
+        let store = &self.store;
+        let meta = &store.inner.meta;
+        let chunks = &store.inner.chunks;
+        let mut st = LayerStats::default();
+        let mut buf = vec![0u8; ws as usize];
+        let mut items: Vec<Item> = Vec::with_capacity(batch.len());
+        let read = |buf: &mut [u8], idx: u64| -> Result<usize, StoreError> {
+            let off = idx * ws;
+            let len = ws.min(size - off) as usize;
+            source
+                .read_at(&mut buf[..len], off)
+                .map_err(|source| StoreError::Source {
+                    kind,
+                    offset: off,
+                    source,
+                })?;
+            Ok(len)
+        };
+        for &idx in batch {
+            let len = read(&mut buf, idx)?;
+            let data = &buf[..len];
+            st.examined += 1;
+            let entry = if chunk::is_zero(data) {
+                Entry::Zero
+            } else {
+                Entry::Chunk(ChunkId::of(data))
+            };
+            match parent {
+                Some(p) => {
+                    let before = match p.window(idx) {
+                        Some(Window::Chunk { id, .. }) => Entry::Chunk(id),
+                        _ => Entry::Zero,
+                    };
+                    if before == entry {
+                        st.unchanged += 1;
+                        continue;
+                    }
+                }
+                None if entry == Entry::Zero => {
+                    st.zero += 1;
+                    continue;
+                }
+                None => {}
+            }
+            let stored = match entry {
+                Entry::Chunk(id) if !meta.chunk_stored(&id)? => {
+                    Some(chunks.encode(data).map_err(StoreError::Compress)?)
+                }
+                _ => None,
+            };
+            if entry == Entry::Zero {
+                st.zero += 1;
+            }
+            items.push(Item {
+                index: idx,
+                entry,
+                stored,
+                raw_len: len as u64,
+            });
+        }
+        if items.is_empty() {
+            return Ok(st);
+        }
+        let windows: Vec<NewWindow> = items
+            .iter()
+            .map(|it| NewWindow {
+                index: it.index,
+                entry: it.entry,
+                stored_len: it.stored.as_ref().map_or(0, |s| s.len() as u64),
+                raw_len: if it.entry == Entry::Zero {
+                    0
+                } else {
+                    it.raw_len
+                },
+            })
+            .collect();
+        let started = Instant::now();
+        let need = loop {
+            match meta.pin(self.id, layer, &windows, store.lease_expiry(), &lease::gone)? {
+                Pin::Pinned(v) => break v,
+                Pin::Busy(id) => {
+                    if started.elapsed() > store.inner.lease_ttl {
+                        return Err(StoreError::GcBusy(id));
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        };
+        st.recorded += items.len() as u64;
+        let mut put_now: HashSet<ChunkId> = HashSet::new();
+        let mut marked: Vec<(ChunkId, u64)> = Vec::new();
+        for (it, need) in items.into_iter().zip(need) {
+            let Entry::Chunk(id) = it.entry else { continue };
+            st.logical_bytes += it.raw_len;
+            if !need {
+                st.deduplicated += 1;
+                continue;
+            }
+            if !put_now.insert(id) {
+                continue;
+            }
+            let stored = match it.stored {
+                Some(s) => s,
+                None => {
+                    // The hint said stored, the pin says put (a gc took it
+                    // meanwhile): read the window again.
+                    let len = read(&mut buf, it.index)?;
+                    if ChunkId::of(&buf[..len]) != id {
+                        return Err(StoreError::SourceChanged {
+                            kind,
+                            window: it.index,
+                        });
+                    }
+                    chunks.encode(&buf[..len]).map_err(StoreError::Compress)?
+                }
+            };
+            chunks.put(&id, &stored)?;
+            fault::point(Point::MidChunks);
+            st.chunks_put += 1;
+            st.stored_bytes_put += stored.len() as u64;
+            marked.push((id, stored.len() as u64));
+        }
+        if !marked.is_empty() {
+            meta.mark_stored(&marked)?;
+        }
+        Ok(st)
+    }
+
+    /// A named blob committed with the snapshot (e.g. `state`: the vCPU
+    /// and device state).
+    pub fn put_blob(&mut self, name: &str, data: Vec<u8>) {
+        self.blobs.retain(|(n, _)| n != name);
+        self.blobs.push((name.into(), data));
+    }
+
+    /// Pages (4 KiB page numbers of the memory layer) to prefetch on the
+    /// next wake.
+    pub fn set_working_set(&mut self, pages: Vec<u64>) {
+        self.working_set = pages;
+    }
+
+    /// Makes the snapshot visible (all its chunks are durable already).
+    pub fn commit(self) -> Result<SnapshotId, StoreError> {
+        self.commit_with(None).map(|(s, _)| s)
+    }
+
+    /// Commits and, in the same transaction, creates or moves a branch to
+    /// this snapshot (`tine sleep`: the branch now sleeps in it).
+    pub fn commit_branch(self, change: BranchChange) -> Result<(SnapshotId, BranchId), StoreError> {
+        let (s, b) = self.commit_with(Some(change))?;
+        let b = b.ok_or_else(|| StoreError::Invalid("the branch change returned no id".into()))?;
+        Ok((s, b))
+    }
+
+    fn commit_with(
+        mut self,
+        change: Option<BranchChange>,
+    ) -> Result<(SnapshotId, Option<BranchId>), StoreError> {
+        fault::point(Point::AfterChunks);
+        let meta = &self.store.inner.meta;
+        for (name, data) in &self.blobs {
+            meta.put_blob(self.id, name, data)?;
+        }
+        fault::point(Point::BeforeCommit);
+        let b = meta.commit_snapshot(self.id, &self.working_set, change.as_ref())?;
+        self.done = true;
+        fault::point(Point::AfterCommit);
+        Ok((self.id, b))
+    }
+
+    /// Drops the snapshot (its chunks are left for gc).
+    pub fn abort(mut self) -> Result<(), StoreError> {
+        self.done = true;
+        Ok(self.store.inner.meta.abort_snapshot(self.id)?)
+    }
+}
+
+impl Drop for SnapshotWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = self.store.inner.meta.abort_snapshot(self.id) {
+                tracing::warn!("dropping pending snapshot {}: {e}", self.id);
+            }
+        }
+    }
+}
+
+fn human(n: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+impl Tree {
+    /// A terminal picture: one line per snapshot, children indented under
+    /// their parent, with own and shared stored bytes and the branches
+    /// that start from it.
+    pub fn render(&self) -> String {
+        let mut children: BTreeMap<Option<SnapshotId>, Vec<&TreeSnapshot>> = BTreeMap::new();
+        for s in &self.snapshots {
+            children.entry(s.parent).or_default().push(s);
+        }
+        let mut out = String::new();
+        fn walk(
+            t: &Tree,
+            children: &BTreeMap<Option<SnapshotId>, Vec<&TreeSnapshot>>,
+            s: &TreeSnapshot,
+            prefix: &str,
+            last: bool,
+            root: bool,
+            out: &mut String,
+        ) {
+            let branches: Vec<String> = t
+                .branches
+                .iter()
+                .filter(|b| b.snapshot == s.id && b.state != BranchState::Gone)
+                .map(|b| format!("{} ({})", b.name, b.state))
+                .collect();
+            let name = s
+                .manifest
+                .get("name")
+                .and_then(|v| v.as_str())
+                .map(|n| format!(" {n}"))
+                .unwrap_or_default();
+            let head = if root {
+                String::new()
+            } else if last {
+                "└─ ".into()
+            } else {
+                "├─ ".into()
+            };
+            out.push_str(&format!(
+                "{prefix}{head}{}{name}  own {} shared {}{}\n",
+                s.id,
+                human(s.sizes.own_stored),
+                human(s.sizes.shared_stored),
+                if branches.is_empty() {
+                    String::new()
+                } else {
+                    format!("  ← {}", branches.join(", "))
+                }
+            ));
+            let kids = children
+                .get(&Some(s.id))
+                .map(|v| v.as_slice())
+                .unwrap_or(&[]);
+            let next = if root {
+                prefix.to_owned()
+            } else if last {
+                format!("{prefix}   ")
+            } else {
+                format!("{prefix}│  ")
+            };
+            for (i, k) in kids.iter().enumerate() {
+                walk(t, children, k, &next, i + 1 == kids.len(), false, out);
+            }
+        }
+        for r in children.get(&None).map(|v| v.as_slice()).unwrap_or(&[]) {
+            walk(self, &children, r, "", true, true, &mut out);
+        }
+        out.push_str(&format!(
+            "{} snapshots, {} chunks: {} stored ({} logical), metadata {}\n",
+            self.snapshots.len(),
+            self.totals.chunks,
+            human(self.totals.stored_bytes),
+            human(self.totals.logical_bytes),
+            human(self.metadata_bytes)
+        ));
+        out
+    }
+}
