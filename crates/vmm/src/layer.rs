@@ -24,6 +24,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
@@ -397,6 +398,234 @@ impl LayerReader {
     }
 }
 
+/// Guest RAM as one flat image: the regions at consecutive offsets, as a
+/// snapshot directory's `memory` file and the store's memory layers lay
+/// it out. Converts between guest addresses and image offsets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RamLayout {
+    /// `(guest start, bytes, image offset)` per region.
+    regions: Vec<(u64, u64, u64)>,
+}
+
+impl RamLayout {
+    /// The layout of `(guest start, bytes)` regions.
+    pub fn new(regions: &[(u64, u64)]) -> Self {
+        let mut off = 0;
+        Self {
+            regions: regions
+                .iter()
+                .map(|&(s, l)| {
+                    let r = (s, l, off);
+                    off += l;
+                    r
+                })
+                .collect(),
+        }
+    }
+
+    /// The layout of a moment's RAM regions.
+    pub fn of(regions: &[(vm_memory::GuestAddress, usize)]) -> Self {
+        Self::new(
+            &regions
+                .iter()
+                .map(|r| (r.0 .0, r.1 as u64))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    /// Bytes of the image (all of RAM).
+    pub fn len(&self) -> u64 {
+        self.regions.iter().map(|r| r.1).sum()
+    }
+
+    /// Whether there is no RAM.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The image offset of guest address `gpa` (None: not RAM).
+    pub fn offset(&self, gpa: u64) -> Option<u64> {
+        self.regions
+            .iter()
+            .find(|&&(s, l, _)| gpa >= s && gpa < s + l)
+            .map(|&(s, _, o)| o + (gpa - s))
+    }
+
+    /// The guest address of image offset `off` (None: past the end).
+    pub fn gpa(&self, off: u64) -> Option<u64> {
+        self.regions
+            .iter()
+            .find(|&&(_, l, o)| off >= o && off < o + l)
+            .map(|&(s, _, o)| s + (off - o))
+    }
+
+    /// `(guest address, image offset, bytes)` of the parts of image range
+    /// `off..off+len`, one per region it crosses.
+    fn pieces(&self, off: u64, len: u64) -> Vec<(u64, u64, u64)> {
+        let end = off.saturating_add(len);
+        self.regions
+            .iter()
+            .filter_map(|&(s, l, o)| {
+                let lo = off.max(o);
+                let hi = end.min(o + l);
+                (lo < hi).then(|| (s + (lo - o), lo, hi - lo))
+            })
+            .collect()
+    }
+
+    /// A page set as a bitmap over the image's 4 KiB pages (bit `i` of
+    /// word `i / 64`, least significant first, as KVM's dirty log).
+    pub fn flat_bitmap(&self, pages: &PageBitmap) -> Vec<u64> {
+        let total = self.len().div_ceil(PAGE_SIZE);
+        let mut bits = vec![0u64; total.div_ceil(64) as usize];
+        for (gpa, len) in pages.runs() {
+            let Some(off) = self.offset(gpa) else {
+                continue;
+            };
+            for p in off / PAGE_SIZE..(off + len) / PAGE_SIZE {
+                if let Some(w) = bits.get_mut((p / 64) as usize) {
+                    *w |= 1 << (p % 64);
+                }
+            }
+        }
+        bits
+    }
+
+    /// Image page indexes (offset / 4 KiB) of `ranges` of guest
+    /// addresses (a working set), in order.
+    pub fn flat_pages(&self, ranges: &[(u64, u64)]) -> Vec<u64> {
+        let mut out = Vec::new();
+        for &(gpa, len) in ranges {
+            for a in (gpa..gpa.saturating_add(len)).step_by(PAGE_SIZE as usize) {
+                if let Some(off) = self.offset(a) {
+                    out.push(off / PAGE_SIZE);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A `memory.layer` file opened for random access by image offset: what
+/// a store needs to cut the layer into its own windows. A window of a
+/// diff layer is the base's window with [`LayerFile::overlay`] applied;
+/// a full layer's is [`LayerFile::read_at`].
+pub struct LayerFile {
+    file: File,
+    path: PathBuf,
+    layout: RamLayout,
+    diff: bool,
+    base: Option<String>,
+    /// `(guest address, bytes, data offset in the file or None for zero)`,
+    /// in address order.
+    records: Vec<(u64, u64, Option<u64>)>,
+    pages: PageBitmap,
+}
+
+impl LayerFile {
+    /// Opens `path` and indexes its records (reads the headers only).
+    pub fn open(path: &Path) -> Result<Self, LayerError> {
+        let mut r = LayerReader::open(path)?;
+        let mut records = Vec::new();
+        let mut pages = PageBitmap::empty(&r.regions);
+        // Data offset: header, then per record 24 bytes + data.
+        let mut pos = header_len(&r);
+        let mut buf = Vec::new();
+        while let Some(rec) = r.next_record(&mut buf)? {
+            pos += 24;
+            match rec {
+                Record::Data { gpa, len } => {
+                    records.push((gpa, len, Some(pos)));
+                    pages.insert(gpa, len);
+                    pos += len;
+                }
+                Record::Zero { gpa, len } => {
+                    records.push((gpa, len, None));
+                    pages.insert(gpa, len);
+                }
+            }
+        }
+        let file = File::open(path).map_err(|source| LayerError::Io {
+            path: path.into(),
+            source,
+        })?;
+        Ok(Self {
+            file,
+            path: path.into(),
+            layout: RamLayout::new(&r.regions),
+            diff: r.diff,
+            base: r.base.clone(),
+            records,
+            pages,
+        })
+    }
+
+    /// The RAM layout the layer was written for.
+    pub fn layout(&self) -> &RamLayout {
+        &self.layout
+    }
+
+    /// Whether it is a diff layer (pages not named are the base's).
+    pub fn is_diff(&self) -> bool {
+        self.diff
+    }
+
+    /// The base of a diff layer.
+    pub fn base(&self) -> Option<&str> {
+        self.base.as_deref()
+    }
+
+    /// The pages the layer names (data and zero).
+    pub fn pages(&self) -> &PageBitmap {
+        &self.pages
+    }
+
+    /// The named pages as a bitmap over the image's pages (a store's
+    /// dirty list).
+    pub fn flat_bitmap(&self) -> Vec<u64> {
+        self.layout.flat_bitmap(&self.pages)
+    }
+
+    /// Writes the layer's pages over `buf`, which holds the image bytes
+    /// at `offset` (the base's, for a diff); pages it does not name are
+    /// left as they are.
+    pub fn overlay(&self, buf: &mut [u8], offset: u64) -> Result<(), LayerError> {
+        for (gpa, off, len) in self.layout.pieces(offset, buf.len() as u64) {
+            let first = self.records.partition_point(|r| r.0 + r.1 <= gpa);
+            for &(rg, rl, data) in &self.records[first..] {
+                if rg >= gpa + len {
+                    break;
+                }
+                let lo = rg.max(gpa);
+                let hi = (rg + rl).min(gpa + len);
+                let dst = &mut buf[(off + (lo - gpa) - offset) as usize..][..(hi - lo) as usize];
+                match data {
+                    Some(d) => self
+                        .file
+                        .read_exact_at(dst, d + (lo - rg))
+                        .map_err(|source| LayerError::Io {
+                            path: self.path.clone(),
+                            source,
+                        })?,
+                    None => dst.fill(0),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads image bytes at `offset` from a full layer (pages it does not
+    /// name are zero).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), LayerError> {
+        buf.fill(0);
+        self.overlay(buf, offset)
+    }
+}
+
+fn header_len(r: &LayerReader) -> u64 {
+    8 + 4 + 4 + 4 + 16 * r.regions.len() as u64 + 4 + r.base.as_ref().map_or(0, |b| b.len() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +704,24 @@ mod tests {
             }
         );
 
+        // Random access by image offset: a base window with the diff on it.
+        let lf = LayerFile::open(&path).expect("layer file");
+        assert!(lf.is_diff() && lf.base() == Some("s1"));
+        let mut window = vec![5u8; 0x20000];
+        lf.overlay(&mut window, 0x10000).expect("overlay");
+        assert!(
+            window[..0x1000].iter().all(|&b| b == 5),
+            "not named: base kept"
+        );
+        assert!(window[0x1000..0x2000].iter().all(|&b| b == 7), "data page");
+        assert!(
+            window[0x2000..0x11000].iter().all(|&b| b == 0),
+            "zero pages"
+        );
+        assert!(window[0x11000..].iter().all(|&b| b == 5));
+        let bits = lf.flat_bitmap();
+        assert_eq!(bits[0], 0xffff << 0x11, "pages 0x11..0x21");
+
         // A truncated file is an error, not a short layer.
         let bytes = std::fs::read(&path).expect("read");
         std::fs::write(&path, &bytes[..bytes.len() - 8]).expect("truncate");
@@ -486,5 +733,30 @@ mod tests {
         }
         assert!(res.is_err(), "truncated layer read without error");
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn test_ram_layout_maps_addresses_and_offsets_across_the_hole() {
+        let l = RamLayout::new(&[(0, 3 << 30), (4 << 30, 1 << 30)]);
+        assert_eq!(l.len(), 4 << 30);
+        assert_eq!(l.offset(0x1000), Some(0x1000));
+        assert_eq!(l.offset(3 << 30), None, "the hole is not RAM");
+        assert_eq!(l.offset((4 << 30) + 0x2000), Some((3 << 30) + 0x2000));
+        assert_eq!(l.gpa((3 << 30) + 0x2000), Some((4 << 30) + 0x2000));
+        assert_eq!(l.gpa(4 << 30), None);
+        // A range across the end of the first region is two pieces.
+        assert_eq!(
+            l.pieces((3 << 30) - 0x1000, 0x2000),
+            vec![
+                ((3 << 30) - 0x1000, (3 << 30) - 0x1000, 0x1000),
+                (4 << 30, 3 << 30, 0x1000)
+            ]
+        );
+        let mut set = PageBitmap::empty(&[(0, 3 << 30), (4 << 30, 1 << 30)]);
+        set.insert(4 << 30, 0x2000);
+        let bits = l.flat_bitmap(&set);
+        let first = (3u64 << 30) / PAGE_SIZE;
+        assert_eq!(bits[(first / 64) as usize], 0b11);
+        assert_eq!(l.flat_pages(&[(4 << 30, 0x2000)]), vec![first, first + 1]);
     }
 }
