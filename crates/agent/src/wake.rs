@@ -168,15 +168,14 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
     report(steps, true, t0, cpu0, sample)
 }
 
-/// 16 bytes from the kernel's CRNG (getrandom), hex; empty on failure.
+/// 32 bytes read from /dev/urandom (the kernel's CRNG), hex; empty on
+/// failure. Drawn right after the randomness step, before anything else
+/// runs, so the host can check what a copy's kernel hands out.
 fn sample() -> String {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most 16 bytes into the live buffer.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), libc::GRND_NONBLOCK) };
-    if n == b.len() as isize {
-        protocol::wake::to_hex(&b)
-    } else {
-        String::new()
+    let mut b = [0u8; 32];
+    match File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)) {
+        Ok(()) => protocol::wake::to_hex(&b),
+        Err(_) => String::new(),
     }
 }
 

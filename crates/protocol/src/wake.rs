@@ -168,7 +168,7 @@ pub struct WakeReport {
     pub cpu_micros: u64,
     /// Wall time from receiving Wake to this report, in µs.
     pub wall_micros: u64,
-    /// 16 bytes (hex) the agent drew from the kernel (getrandom) right
+    /// 32 bytes (hex) the agent read from /dev/urandom right
     /// after the randomness step, before anything else in the guest ran:
     /// distinct per copy when secure, equal in a fork's children when
     /// reproducible. Empty when the step failed or in the sandbox.
