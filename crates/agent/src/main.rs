@@ -14,6 +14,7 @@
 //!   back (the VMM's vsock round-trip test).
 
 mod conns;
+mod proxy;
 mod quiesce;
 mod serve;
 mod vsock;
@@ -73,6 +74,10 @@ fn main() -> ExitCode {
             }
             if listens.is_empty() {
                 listens.push(Listen::Vsock(protocol::AGENT_PORT));
+            }
+            // In a guest (vsock, no sandbox root): the effects proxy.
+            if root.is_none() && listens.iter().any(|l| matches!(l, Listen::Vsock(_))) {
+                proxy::start();
             }
             serve_all(listens, Arc::new(Settings { on_shutdown, root }))
         }

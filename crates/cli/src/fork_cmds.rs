@@ -11,9 +11,11 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use vmm::api::{self, Identity, NetIdentity, Reply, Request};
 
+use crate::effects_cmds::{self, Moment};
 use crate::state::{self, VmDir, VmRecord, VmState};
 use crate::vm_cmds::tap_name;
 use crate::{net, wake};
+use effects::MomentKind;
 use protocol::wake::Role;
 
 /// The MAC `tine run --net` gives a vm.
@@ -29,6 +31,14 @@ pub struct CheckpointRecord {
     pub pid: u32,
     pub pid_start: u64,
     pub created_ms: u64,
+    /// The effects gateway's moment, and the branch and lineage it was
+    /// taken of (a rollback continues from them as a new branch).
+    #[serde(default)]
+    pub moment: String,
+    #[serde(default)]
+    pub branch: String,
+    #[serde(default)]
+    pub lineage: Vec<effects::Step>,
 }
 
 /// A running vm's record, or a clear error.
@@ -122,6 +132,8 @@ pub fn fork(
     anyhow::ensure!(!names.is_empty(), "a fork needs at least one child");
     anyhow::ensure!(names.len() <= 1000, "at most 1000 children per fork");
     let contract = effective_contract(&vm, contract_file)?;
+    effects_cmds::ensure_branch(&vm, &mut r)?;
+    let mut moment = Moment::new(&r, MomentKind::Fork)?;
     let keeper = &contract.network.keep_connections;
     anyhow::ensure!(
         keeper == "parent" || keeper == "none" || names.contains(keeper),
@@ -174,6 +186,8 @@ pub fn fork(
                 mac: r.mac.map(|_| mac_for(&d.name)),
                 lease,
                 created_ms: state::now_ms(),
+                branch: effects_cmds::new_id()?,
+                lineage: moment.lineage_after(&r),
                 ..r.clone()
             });
         }
@@ -207,6 +221,16 @@ pub fn fork(
         }
     };
     let quiesce_ms = quiesce_t.elapsed().as_secs_f64() * 1000.0;
+    // The effects barrier: what the gateway released to the parent so far
+    // is before this moment (its responses are held until the fork is done).
+    if let Err(e) = moment.begin(home, &vm, &r) {
+        made.undo(home);
+        if quiesced.is_some() {
+            let w = round.message(Role::Parent, &r, &[])?;
+            let _ = wake::wake_one(&vm, w);
+        }
+        return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
+    }
     let res = call(
         &vm.api_socket(),
         &Request::Fork {
@@ -218,6 +242,7 @@ pub fn fork(
         Ok(c) => c,
         Err(e) => {
             made.undo(home);
+            let _ = moment.end(home, false, &[]);
             // The parent was quiesced: let it go on as it was.
             if quiesced.is_some() {
                 let w = round.message(Role::Parent, &r, &[])?;
@@ -236,10 +261,12 @@ pub fn fork(
         moved(&vm, &mut r, pid)?;
     }
     drop(call);
+    let copies: Vec<(&VmDir, &VmRecord)> = dirs.iter().zip(recs.iter()).collect();
+    let gateway_problems = moment.end(home, true, &copies);
     let forked_ms = t0.elapsed().as_secs_f64() * 1000.0;
 
     // Wake-up: the parent and every child, at once.
-    let mut problems = Vec::new();
+    let mut problems = gateway_problems;
     let taps: Vec<(String, net::Lease)> = recs
         .iter()
         .filter_map(|rec| rec.lease.map(|l| (tap_name(&rec.name), l)))
@@ -410,9 +437,12 @@ pub fn checkpoint(
         }
     }
     let t0 = Instant::now();
-    let (res, woken) = moment_of(
+    effects_cmds::ensure_branch(&vm, &mut r)?;
+    let (res, woken, moment, mut problems) = moment_of(
+        home,
         &vm,
         &r,
+        MomentKind::Checkpoint,
         &Request::Checkpoint {
             tag: tag.clone(),
             socket: dir.join(format!("{tag}.sock")),
@@ -427,6 +457,9 @@ pub fn checkpoint(
             pid,
             pid_start: state::process_start(pid).unwrap_or(0),
             created_ms: state::now_ms(),
+            moment: moment.id.clone(),
+            branch: r.branch.clone(),
+            lineage: r.lineage.clone(),
         };
         state::write_atomic(&record, &serde_json::to_vec_pretty(&rec)?)?;
     }
@@ -440,26 +473,46 @@ pub fn checkpoint(
             reply.pause_ms.unwrap_or_default()
         )
     })?;
-    report_problems(&woken.map(|w| w.failures()).unwrap_or_default())
+    problems.extend(woken.map(|w| w.failures()).unwrap_or_default());
+    report_problems(&problems)
 }
 
-/// Quiesces the vm, asks its VMM for a moment (`req`: a checkpoint or a
-/// snapshot), and wakes the vm going on, whether the moment was taken or
-/// not. Returns the VMM's answer and the vm's wake.
+/// What [`moment_of`] returns: the VMM's answer, the vm's wake, the
+/// effects moment, and the gateway's problems.
+type MomentOf = (
+    anyhow::Result<api::Call>,
+    Option<wake::Woken>,
+    Moment,
+    Vec<String>,
+);
+
+/// Quiesces the vm, records the effects barrier, asks its VMM for a moment
+/// (`req`: a checkpoint or a snapshot), and wakes the vm going on, whether
+/// the moment was taken or not.
 fn moment_of(
+    home: &Path,
     vm: &VmDir,
     r: &VmRecord,
+    kind: MomentKind,
     req: &Request,
-) -> anyhow::Result<(anyhow::Result<api::Call>, Option<wake::Woken>)> {
+) -> anyhow::Result<MomentOf> {
     let contract = vm.read_contract()?;
     let round = wake::Round::new(&contract)?;
+    let mut moment = Moment::new(r, kind)?;
     let quiesced = wake::quiesce(vm, r)?;
+    if let Err(e) = moment.begin(home, vm, r) {
+        if quiesced.is_some() {
+            let _ = wake::wake_one(vm, round.message(Role::Parent, r, &[])?);
+        }
+        return Err(e);
+    }
     let res = call(&vm.api_socket(), req);
+    let problems = moment.end(home, res.is_ok(), &[]);
     let woken = match quiesced {
         Some(_) => Some(wake::wake_one(vm, round.message(Role::Parent, r, &[])?)),
         None => None,
     };
-    Ok((res, woken))
+    Ok((res, woken, moment, problems))
 }
 
 fn read_checkpoint(path: &Path) -> anyhow::Result<CheckpointRecord> {
@@ -492,17 +545,27 @@ pub fn rollback(home: &Path, name: &str, tag: &str, json: bool) -> anyhow::Resul
     )
     .with_context(|| format!("cannot roll {name:?} back to {tag:?}"))?;
     let reply = &call.reply.clone();
+    // A new branch continues from the checkpoint's moment.
+    if !cp.moment.is_empty() {
+        r.branch = effects_cmds::new_id()?;
+        r.lineage = cp.lineage.clone();
+        r.lineage.push(effects::Step {
+            branch: cp.branch.clone(),
+            moment: cp.moment.clone(),
+            kind: MomentKind::Checkpoint,
+        });
+    }
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }
     drop(call);
     // The vm is back at a quiesced moment with stale time and connections.
-    let mut problems = Vec::new();
+    let mut problems: Vec<String> = effects_cmds::register(home, &vm, &r).into_iter().collect();
     if r.agent {
         let contract = vm.read_contract()?;
         let w = wake::Round::new(&contract)?.message(Role::Rollback, &r, &[])?;
         let woken = wake::wake_one(&vm, w);
-        problems = woken.failures();
+        problems.extend(woken.failures());
         if !woken.ready() {
             fail_closed(&vm, &r, woken.error.as_deref().unwrap_or("wake failed"));
         }
@@ -570,9 +633,12 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
         );
     }
     let t0 = Instant::now();
-    let (res, woken) = moment_of(
+    effects_cmds::ensure_branch(&vm, &mut r)?;
+    let (res, woken, moment, mut problems) = moment_of(
+        home,
         &vm,
         &r,
+        MomentKind::Snapshot,
         &Request::Snapshot {
             dir: dir.clone(),
             layers_dir: state::layers_dir(home),
@@ -581,6 +647,7 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
     )?;
     let call = res.with_context(|| format!("cannot snapshot {name:?}"))?;
     let reply = &call.reply.clone();
+    effects_cmds::write_snapshot_lineage(&dir, &r, &moment)?;
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }
@@ -594,5 +661,6 @@ pub fn snapshot(home: &Path, name: &str, to: &Path, json: bool) -> anyhow::Resul
             reply.pause_ms.unwrap_or_default()
         )
     })?;
-    report_problems(&woken.map(|w| w.failures()).unwrap_or_default())
+    problems.extend(woken.map(|w| w.failures()).unwrap_or_default());
+    report_problems(&problems)
 }

@@ -2,6 +2,7 @@
 
 mod agent_client;
 mod contract_cmds;
+mod effects_cmds;
 mod exec_cmds;
 mod fork_cmds;
 mod image_cmd;
@@ -131,6 +132,13 @@ pub enum Command {
     /// The nested host that runs vms where there is no hardware virtualization.
     #[command(subcommand)]
     Machine(machine::MachineCommand),
+    /// The effects in a vm's lineage (its own and its ancestors' before each
+    /// fork point), which were replayed, which are in doubt.
+    Effects(effects_cmds::EffectsArgs),
+    /// The effects gateway: the host-side HTTP(S) proxy that journals what
+    /// guests send, so copies never repeat it.
+    #[command(subcommand)]
+    Gateway(effects_cmds::GatewayCommand),
 }
 
 #[derive(Subcommand)]
@@ -232,6 +240,8 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Image(cmd) => image_cmd::run(cmd),
         Command::Machine(cmd) => home().and_then(|h| machine::run(&h, cmd)),
+        Command::Effects(args) => home().and_then(|h| effects_cmds::effects_cmd(&h, args)),
+        Command::Gateway(cmd) => home().and_then(|h| effects_cmds::gateway(&h, cmd)),
     }
 }
 

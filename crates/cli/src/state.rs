@@ -43,6 +43,14 @@ pub struct VmRecord {
     /// Its address in its tree's network (when it has a tap).
     #[serde(default)]
     pub lease: Option<crate::net::Lease>,
+    /// This copy's branch in the effects journal: new for every vm and
+    /// copy, never reused (docs/design/effects.md).
+    #[serde(default)]
+    pub branch: String,
+    /// From the root: each ancestor branch and the moment this copy
+    /// continues from.
+    #[serde(default)]
+    pub lineage: Vec<effects::Step>,
 }
 
 /// Written by the VMM when it ends.

@@ -184,8 +184,14 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         mac: args.net.then_some(crate::fork_cmds::DEFAULT_MAC),
         vsock,
         lease,
+        branch: crate::effects_cmds::new_id()?,
+        lineage: match &args.from {
+            Some(d) => crate::effects_cmds::lineage_from_snapshot(d),
+            None => Vec::new(),
+        },
     };
     vm.write_record(&record)?;
+    let gateway_problem = crate::effects_cmds::register(home, &vm, &record);
 
     let deadline = started + Duration::from_secs(args.timeout_secs);
     loop {
@@ -277,6 +283,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     );
     // The VMM is not our child to wait for: it is reparented when we exit.
     std::mem::forget(child);
+    problems.extend(gateway_problem);
     for p in &problems {
         eprintln!("tine: {p}");
     }
@@ -689,6 +696,7 @@ pub fn rm(home: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
         kill_now(&vm, &r)?;
     }
     crate::fork_cmds::drop_checkpoints(&vm);
+    crate::effects_cmds::unregister(home, &r);
     if let Some(l) = &r.lease {
         crate::net::forget(&tap_name(name));
         crate::net::release(home, l);

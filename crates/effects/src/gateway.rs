@@ -158,6 +158,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Runs the gateway in the foreground until `Shutdown`.
 pub fn serve(opts: Options) -> Result<(), Error> {
+    // A guest that goes away mid-response must be an error, not a signal
+    // (`tine` sets SIGPIPE to its default for its short-lived verbs).
+    // SAFETY: sets one signal's disposition to ignore; no handler runs.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
     let paths = Paths::new(&opts.home);
     std::fs::create_dir_all(&paths.dir)
         .map_err(|e| Error::Io(paths.dir.display().to_string(), e))?;
@@ -512,6 +518,9 @@ async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixSt
     });
     let res = hyper::server::conn::http1::Builder::new()
         .keep_alive(false)
+        // A client may end its sending side once the request is out (nc
+        // does); it still gets its response.
+        .half_close(true)
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(60))
         .serve_connection(TokioIo::new(s), svc)
@@ -1283,17 +1292,17 @@ async fn wait_outcome(ctx: &ConnCtx, mut rx: OutcomeRx) -> Option<Arc<Outcome>> 
     }
 }
 
-/// The peer closed or reset its end (one request per connection, so any
-/// readable condition after the request is the end).
+/// The peer closed its socket or reset it. A peer that only ended its
+/// sending side (POLLRDHUP) still waits for its response.
 fn peer_gone(s: &StdUnixStream) -> bool {
     let mut p = libc::pollfd {
         fd: s.as_raw_fd(),
-        events: libc::POLLRDHUP,
+        events: 0,
         revents: 0,
     };
     // SAFETY: polls one valid pollfd without waiting.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n == 1 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    n == 1 && p.revents & (libc::POLLHUP | libc::POLLERR) != 0
 }
 
 /// Releases a recorded (or streamed) response to the guest, unless a
