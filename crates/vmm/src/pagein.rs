@@ -32,7 +32,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -93,6 +93,9 @@ pub struct LazyOptions {
     /// A working set recorded by an earlier wake: filled in its order
     /// while the vCPUs start.
     pub prefetch: Option<WorkingSet>,
+    /// Threads filling the prefetch list, taking its units in order (a
+    /// source with latency, e.g. a remote store, is read in parallel).
+    pub prefetch_threads: usize,
 }
 
 impl Default for LazyOptions {
@@ -102,6 +105,7 @@ impl Default for LazyOptions {
             record_for: Duration::from_secs(5),
             working_set_out: None,
             prefetch: None,
+            prefetch_threads: 4,
         }
     }
 }
@@ -252,6 +256,10 @@ struct Shared {
     fill_ns: AtomicU64,
     prefetch_ns: AtomicU64,
     prefetch_done: AtomicBool,
+    /// The prefetch list as units, in order, and the next one to take.
+    prefetch_units_list: Vec<usize>,
+    prefetch_next: AtomicUsize,
+    prefetch_running: AtomicUsize,
 }
 
 /// A lazily paged-in guest RAM: its userfaultfd, handler and prefetch
@@ -311,6 +319,15 @@ impl PageIn {
             units += r.len().div_ceil(unit) as usize;
         }
         let started = Instant::now();
+        let prefetch_units_list = match &options.prefetch {
+            Some(ws) => units_of(&regs, unit, &ws.ranges, units),
+            None => Vec::new(),
+        };
+        let prefetchers = if options.prefetch.is_some() {
+            options.prefetch_threads.max(1)
+        } else {
+            0
+        };
         let shared = Arc::new(Shared {
             uffd,
             regions: regs,
@@ -339,6 +356,9 @@ impl PageIn {
             fill_ns: AtomicU64::new(0),
             prefetch_ns: AtomicU64::new(0),
             prefetch_done: AtomicBool::new(false),
+            prefetch_units_list,
+            prefetch_next: AtomicUsize::new(0),
+            prefetch_running: AtomicUsize::new(prefetchers),
         });
         let mut threads = Vec::new();
         let s = shared.clone();
@@ -348,7 +368,7 @@ impl PageIn {
                 .spawn(move || s.handler_loop())
                 .map_err(|e| PageInError::Thread("page-in", e))?,
         );
-        if shared.options.prefetch.is_some() {
+        for _ in 0..prefetchers {
             let s = shared.clone();
             threads.push(
                 std::thread::Builder::new()
@@ -356,7 +376,8 @@ impl PageIn {
                     .spawn(move || s.prefetch())
                     .map_err(|e| PageInError::Thread("prefetch", e))?,
             );
-        } else {
+        }
+        if prefetchers == 0 {
             shared.prefetch_done.store(true, Ordering::Release);
         }
         Ok(Arc::new(Self {
@@ -440,6 +461,17 @@ impl PageIn {
                 return Err(PageInError::Failed(e));
             }
         }
+        // Units the handler or the prefetcher were filling must be in
+        // before the ranges are unregistered: unregistering wakes the
+        // threads waiting on them, which would then fault in zero pages.
+        for state in &s.units {
+            while state.load(Ordering::Acquire) != DONE {
+                if let Some(e) = lock(&s.error).clone() {
+                    return Err(PageInError::Failed(e));
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
         s.close_recording();
         for r in &s.regions {
             s.uffd
@@ -514,30 +546,25 @@ impl Shared {
         }
     }
 
+    /// One prefetch thread: takes the next unit of the list until it is
+    /// empty; the last thread to finish marks the prefetch done.
     fn prefetch(&self) {
         let mut buf = vec![0u8; self.unit as usize];
-        let ranges = self
-            .options
-            .prefetch
-            .as_ref()
-            .map(|w| w.ranges.clone())
-            .unwrap_or_default();
-        'all: for (gpa, len) in ranges {
-            let mut a = gpa;
-            while a < gpa.saturating_add(len) {
-                if self.stop.load(Ordering::Acquire) || lock(&self.error).is_some() {
-                    break 'all;
-                }
-                // A set from another layout: what is not RAM is skipped.
-                if let Some(u) = self.unit_of_gpa(a) {
-                    self.serve(u, Cause::Prefetch, &mut buf);
-                }
-                a = (a / self.unit + 1) * self.unit;
+        loop {
+            if self.stop.load(Ordering::Acquire) || lock(&self.error).is_some() {
+                break;
             }
+            let i = self.prefetch_next.fetch_add(1, Ordering::Relaxed);
+            let Some(&u) = self.prefetch_units_list.get(i) else {
+                break;
+            };
+            self.serve(u, Cause::Prefetch, &mut buf);
         }
-        self.prefetch_ns
-            .store(self.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.prefetch_done.store(true, Ordering::Release);
+        if self.prefetch_running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.prefetch_ns
+                .store(self.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.prefetch_done.store(true, Ordering::Release);
+        }
     }
 
     /// Fills unit `u` unless someone else has or is doing it; every
@@ -644,13 +671,6 @@ impl Shared {
             .map(|r| r.first_unit + ((addr - r.host) / self.unit) as usize)
     }
 
-    fn unit_of_gpa(&self, gpa: u64) -> Option<usize> {
-        self.regions
-            .iter()
-            .find(|r| gpa >= r.gpa && gpa < r.gpa + r.len)
-            .map(|r| r.first_unit + ((gpa - r.gpa) / self.unit) as usize)
-    }
-
     fn record(&self, u: usize) {
         let mut r = lock(&self.recorder);
         if r.closed || Instant::now() >= r.until {
@@ -748,6 +768,32 @@ impl Drop for PageIn {
     fn drop(&mut self) {
         self.stop_threads();
     }
+}
+
+/// The units holding `ranges` of guest addresses, in order, each once
+/// (what is not RAM is skipped: a set from another layout).
+fn units_of(regions: &[Region], unit: u64, ranges: &[(u64, u64)], units: usize) -> Vec<usize> {
+    let mut seen = vec![false; units];
+    let mut out = Vec::new();
+    for &(gpa, len) in ranges {
+        let end = gpa.saturating_add(len);
+        let mut a = gpa;
+        while a < end {
+            if let Some(r) = regions.iter().find(|r| a >= r.gpa && a < r.gpa + r.len) {
+                let u = r.first_unit + ((a - r.gpa) / unit) as usize;
+                if let Some(s) = seen.get_mut(u) {
+                    if !*s {
+                        *s = true;
+                        out.push(u);
+                    }
+                }
+                a = r.gpa + ((a - r.gpa) / unit + 1) * unit;
+            } else {
+                a = (a / PAGE + 1) * PAGE;
+            }
+        }
+    }
+    out
 }
 
 /// A [`PageSource`] reading a memory file at the RAM layout (a snapshot
