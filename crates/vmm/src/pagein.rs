@@ -12,7 +12,10 @@
 //!   ends the vm: the exit is reported as crashed with what failed (the
 //!   exit record's reason names the guest range and the source's error),
 //!   and the faulting threads stay blocked until the process exits. They
-//!   are never woken onto memory that was not filled.
+//!   are never woken onto memory that was not filled. A failure during
+//!   the restore itself (before [`PageIn::attach`]) unblocks the
+//!   restoring thread with zero pages instead and the attach refuses the
+//!   vm, so [`restore_lazy`] returns the error and nothing runs.
 //! - The working set: the units first touched during the first
 //!   [`LazyOptions::record_for`] after the wake, in touch order, written
 //!   to [`LazyOptions::working_set_out`] when the window closes (and
@@ -532,12 +535,22 @@ impl Shared {
                     self.fail(format!("fault at {:#x} outside guest RAM", f.addr));
                     return;
                 };
+                if lock(&self.error).is_some() {
+                    if lock(&self.exit).is_some() {
+                        // Stop serving: the vm is ending; the threads that
+                        // faulted stay blocked until the process exits.
+                        return;
+                    }
+                    // Failed during the restore, before the vm was
+                    // attached: [`PageIn::attach`] will refuse it, so no
+                    // vCPU ever runs; unblock the restoring thread.
+                    self.unblock(u);
+                    continue;
+                }
                 self.record(u);
                 self.serve(u, Cause::Fault, &mut buf);
-                if lock(&self.error).is_some() {
-                    // Stop serving: the vm is ending; the threads that
-                    // faulted stay blocked until the process exits.
-                    return;
+                if lock(&self.error).is_some() && lock(&self.exit).is_none() {
+                    self.unblock(u);
                 }
             }
             if self.recording_due() {
@@ -650,6 +663,22 @@ impl Shared {
             Cause::Resident => &self.resident_units,
         }
         .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Maps the zero page over unit `u` so the thread faulting on it goes
+    /// on: only for a vm that failed before it was attached (it will
+    /// never run).
+    fn unblock(&self, u: usize) {
+        let Some(state) = self.units.get(u) else {
+            return;
+        };
+        if state.swap(DONE, Ordering::AcqRel) != DONE {
+            let (host, _, len) = self.unit_range(u);
+            // SAFETY: host..host+len is a unit of a registered range.
+            let _ = unsafe { self.uffd.zeropage(host, len) };
+        }
+        let (host, _, len) = self.unit_range(u);
+        let _ = self.uffd.wake(host, len);
     }
 
     /// (host address, guest address, bytes) of unit `u`.

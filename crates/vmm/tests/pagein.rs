@@ -294,6 +294,44 @@ fn test_failing_source_ends_the_vm_with_what_failed() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A store whose chunk holding the generation id (written by every
+/// restore) is corrupt.
+struct CorruptVmGenId(FileSource);
+
+impl PageSource for CorruptVmGenId {
+    fn fill(&self, gpa: u64, buf: &mut [u8]) -> Result<Fill, SourceError> {
+        let id = vmm::devices::legacy::vmgenid::VMGENID_ADDR;
+        if (gpa..gpa + buf.len() as u64).contains(&id) {
+            return Err("snapshot s1, chunk 77aa…: hash mismatch".into());
+        }
+        self.0.fill(gpa, buf)
+    }
+}
+
+#[test]
+fn test_failure_during_the_restore_is_an_error_not_a_hang() {
+    let dir = scratch("pagein", "restorefail");
+    let (moment, _) = frozen_vm(&dir, guests::counter_path(), 64, |c| {
+        c.wait_nth("CNT ", 1);
+    });
+    let console = Console::in_dir(&dir, "woken");
+    let cfg = copy_config(guests::counter_path(), &moment, &console);
+    let source = CorruptVmGenId(file_source(&dir, &moment));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = pagein::restore_lazy(&cfg, &moment, Arc::new(source), LazyOptions::default());
+        let _ = tx.send(r.map(|_| ()).map_err(|e| vmm::process::chain(&e)));
+    });
+    let res = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the restore hung on a page it could not get");
+    let err = res.expect_err("a vm whose page-in failed was restored");
+    assert!(err.contains("chunk 77aa…: hash mismatch"), "{err}");
+    assert!(err.contains("page-in of guest 0xc0000"), "{err}");
+    assert!(!console.text().contains("CNT"), "the vm ran");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn identity(dir: &Path, name: &str) -> Identity {
     Identity {
         name: name.into(),
