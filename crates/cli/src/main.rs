@@ -11,6 +11,7 @@ mod net;
 mod routing;
 mod size;
 mod state;
+mod tree_cmds;
 mod vm_cmds;
 mod vmm_cmd;
 mod wake;
@@ -117,6 +118,44 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Put a running vm to sleep: its moment goes into the snapshot store
+    /// (chunked, deduplicated) and the vm ends; its branch sleeps.
+    Sleep {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Wake a sleeping branch from the store (or, with --name, a new
+    /// branch from the same snapshot).
+    Wake {
+        branch: String,
+        /// The new vm's name (default: the branch's own, which must be
+        /// sleeping).
+        #[arg(long)]
+        name: Option<String>,
+        /// Give it a tap and an address from a new network tree.
+        #[arg(long)]
+        net: bool,
+        /// Page its memory in on demand (userfaultfd) from the store, with
+        /// the working set the last lazy wake recorded fetched first,
+        /// instead of writing the whole memory out before it starts.
+        #[arg(long)]
+        lazy: bool,
+    },
+    /// The snapshot tree: snapshots, branches, own and shared bytes.
+    Tree {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove what nothing in the tree references (chunks, unfinished
+    /// snapshots, materialized copies).
+    Gc {
+        #[arg(long)]
+        json: bool,
+    },
+    /// The snapshot store.
+    #[command(subcommand)]
+    Store(StoreCommand),
     /// A vm's fork contract: how its copies wake (randomness, clock,
     /// connections, egress, secrets, hooks).
     #[command(subcommand)]
@@ -139,6 +178,15 @@ pub enum Command {
     /// guests send, so copies never repeat it.
     #[command(subcommand)]
     Gateway(effects_cmds::GatewayCommand),
+}
+
+#[derive(Subcommand)]
+pub enum StoreCommand {
+    /// Check every chunk: present, decompresses, hashes to its name.
+    Verify {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -218,8 +266,33 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             names,
             contract,
             json,
-        } => {
-            home().and_then(|h| fork_cmds::fork(&h, &name, count, names, contract.as_deref(), json))
+        } => home().and_then(|h| {
+            if tree_cmds::is_sleeping(&h, &name) {
+                anyhow::ensure!(
+                    contract.is_none() && !json,
+                    "--contract and --json are not supported for a sleeping branch yet"
+                );
+                let names: Vec<String> = match names {
+                    Some(n) => n.split(',').map(str::to_string).collect(),
+                    None => (1..=count.unwrap_or(1))
+                        .map(|i| format!("{name}-{i}"))
+                        .collect(),
+                };
+                return tree_cmds::fork_sleeping(&h, &name, &names, false);
+            }
+            fork_cmds::fork(&h, &name, count, names, contract.as_deref(), json)
+        }),
+        Command::Sleep { name, json } => home().and_then(|h| tree_cmds::sleep(&h, &name, json)),
+        Command::Wake {
+            branch,
+            name,
+            net,
+            lazy,
+        } => home().and_then(|h| tree_cmds::wake(&h, &branch, name.as_deref(), net, lazy)),
+        Command::Tree { json } => home().and_then(|h| tree_cmds::tree(&h, json)),
+        Command::Gc { json } => home().and_then(|h| tree_cmds::gc(&h, json)),
+        Command::Store(StoreCommand::Verify { json }) => {
+            home().and_then(|h| tree_cmds::verify(&h, json))
         }
         Command::Contract(cmd) => home().and_then(|h| contract_cmds::contract(&h, cmd)),
         Command::Secret(cmd) => home().and_then(|h| contract_cmds::secret(&h, cmd)),

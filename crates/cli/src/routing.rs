@@ -6,6 +6,8 @@
 //! - Verbs on a named vm run here when the vm is here, else in the machine
 //!   if it runs (a vm cannot be there otherwise).
 //! - `ls` merges both, with the same rows and `--json` either way.
+//! - `sleep` goes where the vm is; `wake` where the branch sleeps (each
+//!   host has its own store unless `TINE_STORE` names a shared one).
 //! - `cp` streams file contents through the forwarded command, because
 //!   the machine sees the host's files read-only and its writes stay inside.
 
@@ -42,11 +44,11 @@ pub fn through_machine(
         | Command::Kill { name }
         | Command::Rm { name, .. }
         | Command::Disk(crate::DiskCommand::Layers { name, .. })
-        | Command::Fork { name, .. }
         | Command::Checkpoint { name, .. }
         | Command::Rollback { name, .. }
         | Command::Checkpoints { name }
         | Command::Snapshot { name, .. }
+        | Command::Sleep { name, .. }
             if remote_vm(name) =>
         {
             Some(forward(false))
@@ -64,6 +66,17 @@ pub fn through_machine(
             if remote_vm(name) =>
         {
             Some(forward(true))
+        }
+        Command::Fork { name, .. }
+            if remote_vm(name) && !crate::tree_cmds::is_sleeping(home, name) =>
+        {
+            Some(forward(false))
+        }
+        // A branch sleeps in the store of the host its vm ran on.
+        Command::Wake { branch, .. }
+            if !crate::tree_cmds::has_branch(home, branch) && running() =>
+        {
+            Some(forward(false))
         }
         Command::Cp { src, dst } => {
             let vm = [src, dst]

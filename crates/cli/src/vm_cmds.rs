@@ -57,9 +57,38 @@ pub struct RunArgs {
     /// it goes over the one in the snapshot's manifest.
     #[arg(long)]
     contract: Option<PathBuf>,
+    /// With --from: page RAM in lazily from this store snapshot.
+    #[arg(skip)]
+    lazy_snapshot: Option<i64>,
 }
 
 impl RunArgs {
+    /// `run --name NAME --from DIR [--net]` (a wake from the store).
+    pub fn restore(name: &str, from: &Path, net: bool) -> RunArgs {
+        RunArgs {
+            name: name.into(),
+            image: "minimal".into(),
+            kernel: None,
+            mem: 512,
+            vcpus: 1,
+            disks: Vec::new(),
+            net,
+            no_agent: false,
+            timeout_secs: 180,
+            from: Some(from.into()),
+            contract: None,
+            lazy_snapshot: None,
+        }
+    }
+
+    /// [`RunArgs::restore`] with RAM paged in lazily from store snapshot `id`.
+    pub fn restore_lazy(name: &str, from: &Path, net: bool, id: i64) -> RunArgs {
+        RunArgs {
+            lazy_snapshot: Some(id),
+            ..RunArgs::restore(name, from, net)
+        }
+    }
+
     /// A micro guest: runs on any /dev/kvm, has no agent.
     pub fn is_micro(&self) -> bool {
         match &self.from {
@@ -70,6 +99,10 @@ impl RunArgs {
         }
     }
 }
+
+/// Where a lazily woken vm's VMM writes the working set it recorded
+/// (`vms/NAME/working-set.json`); its next sleep stores it.
+pub const WORKING_SET: &str = "working-set.json";
 
 /// `tine run`: starts the VMM detached and waits for the agent.
 pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -325,6 +358,10 @@ fn restore_command(
     }
     if m.vsock_cid.is_some() {
         cmd.arg("--vsock").arg(vm.vsock());
+    }
+    if let Some(id) = args.lazy_snapshot {
+        cmd.arg("--lazy-snapshot").arg(id.to_string());
+        cmd.arg("--working-set-out").arg(vm.dir.join(WORKING_SET));
     }
     detach(vm, &mut cmd)?;
     Ok((cmd, n))
@@ -686,6 +723,13 @@ fn kill_now(vm: &VmDir, r: &VmRecord) -> anyhow::Result<()> {
 
 /// `tine rm NAME [--force]`.
 pub fn rm(home: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
+    remove(home, name, force)?;
+    println!("{name}: removed");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `rm` without the message (a vm that went to sleep ends this way).
+pub fn remove(home: &Path, name: &str, force: bool) -> anyhow::Result<()> {
     state::validate_name(name)?;
     let vm = VmDir::new(home, name);
     let r = vm.read_record()?;
@@ -703,8 +747,7 @@ pub fn rm(home: &Path, name: &str, force: bool) -> anyhow::Result<ExitCode> {
     }
     std::fs::remove_dir_all(&vm.dir)
         .with_context(|| format!("cannot remove {}", vm.dir.display()))?;
-    println!("{name}: removed");
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 fn signal(r: &VmRecord, sig: libc::c_int) {

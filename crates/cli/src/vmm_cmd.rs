@@ -74,6 +74,14 @@ pub struct VmmArgs {
     /// The vm's name (for frozen layer names and logs).
     #[arg(long, hide = true, default_value = "vm")]
     name: String,
+    /// With --from: page guest RAM in lazily (userfaultfd) from this
+    /// snapshot of the store instead of mapping DIR/memory (`tine wake
+    /// --lazy`).
+    #[arg(long, hide = true, requires = "from")]
+    lazy_snapshot: Option<i64>,
+    /// Where a lazy wake writes the working set it records.
+    #[arg(long, hide = true, requires = "lazy_snapshot")]
+    working_set_out: Option<PathBuf>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -189,6 +197,31 @@ fn restore(
         kvm_device: args.kvm_device.clone(),
         ..VmConfig::default()
     };
+    if let Some(id) = args.lazy_snapshot {
+        let opts = ProcessOptions {
+            start_paused: false,
+            name: args.name.clone(),
+            api_socket: None,
+            exit_file: args.exit_file.clone(),
+        };
+        let (source, prefetch) = crate::tree_cmds::lazy_source(
+            id,
+            vmm::layer::RamLayout::of(&moment.ram_regions()),
+            Box::new(move |why: &str| {
+                vmm::process::write_exit(&opts, &format!("crashed: {why}"));
+                eprintln!("tine: {why}; the vm ends");
+                std::process::exit(1);
+            }),
+        )?;
+        let options = vmm::pagein::LazyOptions {
+            working_set_out: args.working_set_out.clone(),
+            prefetch,
+            ..Default::default()
+        };
+        return Ok(vmm::pagein::restore_lazy(
+            &config, &moment, source, options,
+        )?);
+    }
     let mem =
         vmm::memory::map_file_private(&dir.join(vmm::snapshot_dir::MEMORY), &moment.ram_regions())?;
     Ok(vmm::restore(

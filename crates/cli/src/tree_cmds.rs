@@ -1,0 +1,691 @@
+//! The snapshot tree verbs: sleep, wake, fork of a sleeping branch, tree,
+//! gc, store verify. A branch sleeps as a snapshot in the store
+//! (crates/store: chunks + `$TINE_HOME/store/tree.db`) and wakes as a vm
+//! restored from it (the same path as `tine run --from DIR`).
+//!
+//! - `sleep`: quiesce, take a snapshot into a staging directory, store
+//!   its layers (memory, each disk's contents) and state, commit it with
+//!   the branch now sleeping, then end the vm. Until the commit the vm is
+//!   still there; a failure wakes it again.
+//! - `wake`: materialize the snapshot once per host into
+//!   `store/wake/SNAPSHOT/` (its manifest written last), then restore a
+//!   new vm from it. Copies of one snapshot map the same memory file
+//!   MAP_PRIVATE, so they share its page cache.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use store::{BranchChange, BranchState, Dirty, LayerKind, SnapshotId, Store, StoreConfig};
+use vmm::api::{self, Request};
+use vmm::snapshot_dir::{self, Manifest};
+
+use crate::state::{self, VmDir, VmRecord, VmState};
+use crate::wake;
+use protocol::wake::Role;
+
+/// How long the VMM may take to write a snapshot for `sleep`.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Which stored snapshot a vm was woken from (`vms/NAME/branch.json`):
+/// its next sleep stores only what changed since.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BranchLink {
+    pub branch: String,
+    pub snapshot: i64,
+}
+
+fn link_path(vm: &VmDir) -> PathBuf {
+    vm.dir.join("branch.json")
+}
+
+fn read_link(vm: &VmDir) -> Option<BranchLink> {
+    let text = std::fs::read_to_string(link_path(vm)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// The store of this host (`TINE_STORE` picks a backend, see crates/store).
+pub fn open(home: &Path) -> anyhow::Result<Store> {
+    let cfg = StoreConfig::from_env(home)?;
+    Store::open(cfg).context("cannot open the snapshot store")
+}
+
+/// A progress bar on stderr for work that lasts more than a second (and
+/// only on a terminal).
+struct Bar {
+    bar: indicatif::ProgressBar,
+    t0: Mutex<Option<Instant>>,
+    shown: std::sync::atomic::AtomicBool,
+}
+
+impl Bar {
+    fn new() -> Bar {
+        let bar = indicatif::ProgressBar::hidden();
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        Bar {
+            bar,
+            t0: Mutex::new(None),
+            shown: false.into(),
+        }
+    }
+}
+
+impl store::Progress for Bar {
+    fn start(&self, what: &str, total: u64) {
+        self.bar.set_message(what.to_string());
+        self.bar.set_length(total);
+        self.bar.set_position(0);
+        if let Ok(mut t) = self.t0.lock() {
+            t.get_or_insert_with(Instant::now);
+        }
+    }
+    fn advance(&self, n: u64) {
+        self.bar.inc(n);
+        let late = self
+            .t0
+            .lock()
+            .ok()
+            .and_then(|t| *t)
+            .is_some_and(|t| t.elapsed() > Duration::from_secs(1));
+        if late
+            && std::io::stderr().is_terminal()
+            && !self.shown.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+        }
+    }
+    fn finish(&self) {
+        if self.shown.load(std::sync::atomic::Ordering::Relaxed) {
+            self.bar.finish_and_clear();
+        }
+    }
+}
+
+/// What `sleep` reports.
+#[derive(Debug, Serialize)]
+struct SleepReport {
+    name: String,
+    branch: String,
+    snapshot: i64,
+    parent: Option<i64>,
+    pause_ms: f64,
+    snapshot_ms: f64,
+    store_ms: f64,
+    total_ms: f64,
+    /// Logical bytes of the memory layer this snapshot records itself
+    /// (windows not inherited from its parent).
+    memory_logical: u64,
+    /// Bytes that went to the backend (new chunks, compressed).
+    new_stored: u64,
+}
+
+/// `tine sleep NAME`: the vm becomes a sleeping branch of the tree.
+pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
+    state::validate_name(name)?;
+    let vm = VmDir::new(home, name);
+    let mut r = vm.read_record()?;
+    match vm.state(&r) {
+        VmState::Running => {}
+        s => bail!("vm {name:?} is {s}: only a running vm can be put to sleep"),
+    }
+    if !crate::fork_cmds::list_checkpoints(home, name)?.is_empty() {
+        bail!("vm {name:?} has checkpoints; they live in processes and cannot sleep with it (remove them with `tine rm` of the vm, or roll back first)");
+    }
+    let store = open(home)?;
+    let link = read_link(&vm);
+    let parent = match &link {
+        Some(l) => store.snapshot(SnapshotId(l.snapshot)).ok().map(|s| s.id),
+        None => None,
+    };
+    if let Some(b) = store.branch(name)? {
+        if b.state == BranchState::Sleeping {
+            bail!("a sleeping branch named {name:?} exists already; wake it under another name or `tine gc` after removing it");
+        }
+    }
+    let staging = store
+        .dir()
+        .join("staging")
+        .join(format!("sleep-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let t0 = Instant::now();
+
+    // The moment: quiesced, written to the staging directory; the vm goes
+    // on (in a new process) until the snapshot is committed.
+    let quiesced = wake::quiesce(&vm, &r)?;
+    let contract = vm.read_contract()?;
+    let res = api::call(
+        &vm.api_socket(),
+        &Request::Snapshot {
+            dir: staging.clone(),
+            layers_dir: state::layers_dir(home),
+            contract: Some(contract.to_toml()),
+        },
+        SNAPSHOT_TIMEOUT,
+    );
+    let reply = match res {
+        Ok(c) if c.reply.error.is_none() => c.reply.clone(),
+        Ok(c) => {
+            let e = c.reply.error.clone().unwrap_or_default();
+            wake_again(&vm, &r, quiesced.is_some());
+            bail!("cannot snapshot {name:?}: {e}");
+        }
+        Err(e) => {
+            wake_again(&vm, &r, quiesced.is_some());
+            return Err(anyhow::Error::new(e).context(format!("cannot snapshot {name:?}")));
+        }
+    };
+    if let Some(pid) = reply.continuation_pid {
+        r.pid = pid;
+        r.pid_start = state::process_start(pid).unwrap_or(0);
+        vm.write_record(&r)?;
+    }
+    // The vm runs on until the commit (its workload stays frozen where an
+    // agent quiesced it); the branch continues from the moment. Not held
+    // stopped: a sleep killed midway must leave a running vm (a quiesced
+    // guest thaws itself when no wake comes).
+    let snapshot_ms = t0.elapsed().as_secs_f64() * 1000.0;
+
+    let t1 = Instant::now();
+    let _ = std::fs::copy(
+        vm.dir.join(crate::vm_cmds::WORKING_SET),
+        staging.join(crate::vm_cmds::WORKING_SET),
+    );
+    let stored = store_snapshot(&store, &staging, parent, name);
+    let _ = std::fs::remove_dir_all(&staging);
+    let (snap, logical, new_stored) = match stored {
+        Ok(s) => s,
+        Err(e) => {
+            wake_again(&vm, &r, quiesced.is_some());
+            return Err(e.context(format!("{name:?} did not go to sleep; it runs on")));
+        }
+    };
+    let store_ms = t1.elapsed().as_secs_f64() * 1000.0;
+    // Committed: the vm ends, its branch sleeps in the store.
+    crate::vm_cmds::remove(home, name, true)?;
+    let report = SleepReport {
+        name: name.into(),
+        branch: name.into(),
+        snapshot: snap.0,
+        parent: parent.map(|p| p.0),
+        pause_ms: reply.pause_ms.unwrap_or_default(),
+        snapshot_ms,
+        store_ms,
+        total_ms: t0.elapsed().as_secs_f64() * 1000.0,
+        memory_logical: logical,
+        new_stored,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "{name}: sleeping in snapshot {} ({} MiB of memory recorded, {} KiB new in the store) in {:.0} ms",
+            snap,
+            logical >> 20,
+            new_stored >> 10,
+            report.total_ms
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The vm was quiesced for a sleep that did not happen: it goes on.
+fn wake_again(vm: &VmDir, r: &VmRecord, quiesced: bool) {
+    if !quiesced {
+        return;
+    }
+    let msg = vm
+        .read_contract()
+        .and_then(|c| wake::Round::new(&c)?.message(Role::Parent, r, &[]));
+    match msg {
+        Ok(w) => {
+            let woken = wake::wake_one(vm, w);
+            for p in woken.failures() {
+                eprintln!("tine: {p}");
+            }
+        }
+        Err(e) => eprintln!("tine: cannot wake {:?} again: {e:#}", vm.name),
+    }
+}
+
+/// Stores a snapshot directory as snapshot `name` (child of `parent`) and
+/// commits it with branch `name` sleeping in it. Returns the snapshot,
+/// the memory bytes it records itself and the bytes new in the backend.
+fn store_snapshot(
+    store: &Store,
+    dir: &Path,
+    parent: Option<SnapshotId>,
+    name: &str,
+) -> anyhow::Result<(SnapshotId, u64, u64)> {
+    let manifest_text = std::fs::read_to_string(dir.join(snapshot_dir::MANIFEST))
+        .context("the staged snapshot has no manifest")?;
+    let manifest: Manifest = serde_json::from_str(&manifest_text)?;
+    let state_bytes = std::fs::read(dir.join(snapshot_dir::STATE))?;
+    let before = store.counters();
+    let mut w = store.begin(parent, &manifest_text)?;
+    let bar = Bar::new();
+    let memory = std::fs::File::open(dir.join(snapshot_dir::MEMORY))?;
+    let mem = w.put_layer(LayerKind::Memory, &memory, &Dirty::All, &bar)?;
+    for (i, d) in manifest.disks.iter().enumerate() {
+        let disk = disk::Disk::open(&d.path, false)
+            .with_context(|| format!("cannot read disk {}", d.path.display()))?;
+        let source = store::FnSource {
+            len: disk.size(),
+            read: |buf: &mut [u8], off: u64| {
+                disk.read_at(buf, off)
+                    .map_err(|e| std::io::Error::other(e.to_string()))
+            },
+        };
+        let i = u32::try_from(i).context("too many disks")?;
+        w.put_layer(LayerKind::Disk(i), &source, &Dirty::All, &bar)?;
+    }
+    w.put_blob(snapshot_dir::STATE, state_bytes);
+    if let Some(pages) = working_set_pages(dir, &manifest) {
+        w.set_working_set(pages);
+    }
+    let change = match store.branch(name)? {
+        Some(b) => BranchChange::Update {
+            id: b.id,
+            state: BranchState::Sleeping,
+        },
+        None => BranchChange::Create {
+            name: name.into(),
+            state: BranchState::Sleeping,
+        },
+    };
+    let (snap, _) = w.commit_branch(change)?;
+    let after = store.counters();
+    Ok((
+        snap,
+        mem.logical_bytes,
+        after.put_bytes.saturating_sub(before.put_bytes),
+    ))
+}
+
+/// Writes committed snapshot `id` as a snapshot directory (once per host;
+/// later wakes reuse it) and returns the directory.
+fn materialize(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
+    let dir = store.dir().join("wake").join(id.0.to_string());
+    if dir.join(snapshot_dir::MANIFEST).is_file() {
+        return Ok(dir);
+    }
+    let info = store.snapshot(id)?;
+    let mut manifest: Manifest = serde_json::from_str(&info.manifest)
+        .with_context(|| format!("snapshot {id} has no vm manifest"))?;
+    let tmp = store
+        .dir()
+        .join("wake")
+        .join(format!("{}.tmp-{}", id.0, std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let bar = Bar::new();
+    let memory = store.layer(id, LayerKind::Memory)?;
+    let f = std::fs::File::create(tmp.join(snapshot_dir::MEMORY))?;
+    f.set_len(memory.size())?;
+    memory
+        .restore(&f, true, &bar)
+        .with_context(|| format!("cannot read the memory of snapshot {id}"))?;
+    f.sync_all()?;
+    for (i, d) in manifest.disks.iter_mut().enumerate() {
+        let kind = LayerKind::Disk(u32::try_from(i).context("too many disks")?);
+        let layer = store.layer(id, kind)?;
+        let path = dir.join(format!("disk{i}.raw"));
+        let f = std::fs::File::create(tmp.join(format!("disk{i}.raw")))?;
+        f.set_len(layer.size())?;
+        layer
+            .restore(&f, true, &bar)
+            .with_context(|| format!("cannot read disk {i} of snapshot {id}"))?;
+        f.sync_all()?;
+        // The woken vm stacks its own top layer on the restored contents.
+        d.path = path;
+        d.frozen = true;
+    }
+    let state_bytes = store
+        .blob(id, snapshot_dir::STATE)?
+        .with_context(|| format!("snapshot {id} has no vCPU and device state"))?;
+    std::fs::write(tmp.join(snapshot_dir::STATE), state_bytes)?;
+    std::fs::write(
+        tmp.join(snapshot_dir::MANIFEST),
+        serde_json::to_vec_pretty(&manifest)?,
+    )?;
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        // Another wake of the same snapshot got there first.
+        Err(_) if dir.join(snapshot_dir::MANIFEST).is_file() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot create {}", dir.display())),
+    }
+}
+
+/// The working set a lazy wake of this vm recorded (copied into the
+/// staged snapshot `dir`), as 4 KiB page numbers of the memory layer in
+/// the order they were first touched.
+fn working_set_pages(dir: &Path, manifest: &Manifest) -> Option<Vec<u64>> {
+    let ws = vmm::pagein::WorkingSet::read(&dir.join(crate::vm_cmds::WORKING_SET)).ok()?;
+    let layout = vmm::layer::RamLayout::of(&vmm::moment::ram_regions(manifest.mem_mib));
+    let mut pages = Vec::new();
+    for (gpa, len) in ws.ranges {
+        for p in (gpa..gpa.saturating_add(len)).step_by(4096) {
+            if let Some(off) = layout.offset(p) {
+                pages.push(off / 4096);
+            }
+        }
+    }
+    Some(pages)
+}
+
+/// A snapshot directory for a lazy wake: manifest, state and disks as
+/// for [`materialize`], and a `memory` file that is only a size (a
+/// hole): the VMM pages RAM in from the store instead.
+fn materialize_lazy(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
+    let dir = store.dir().join("wake").join(format!("{}-lazy", id.0));
+    if dir.join(snapshot_dir::MANIFEST).is_file() {
+        return Ok(dir);
+    }
+    let tmp = store
+        .dir()
+        .join("wake")
+        .join(format!("{}-lazy.tmp-{}", id.0, std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let info = store.snapshot(id)?;
+    let mut manifest: Manifest = serde_json::from_str(&info.manifest)
+        .with_context(|| format!("snapshot {id} has no vm manifest"))?;
+    let memory = store.layer(id, LayerKind::Memory)?;
+    std::fs::File::create(tmp.join(snapshot_dir::MEMORY))?.set_len(memory.size())?;
+    let bar = Bar::new();
+    for (i, d) in manifest.disks.iter_mut().enumerate() {
+        let kind = LayerKind::Disk(u32::try_from(i).context("too many disks")?);
+        let layer = store.layer(id, kind)?;
+        let f = std::fs::File::create(tmp.join(format!("disk{i}.raw")))?;
+        f.set_len(layer.size())?;
+        layer
+            .restore(&f, true, &bar)
+            .with_context(|| format!("cannot read disk {i} of snapshot {id}"))?;
+        f.sync_all()?;
+        d.path = dir.join(format!("disk{i}.raw"));
+        d.frozen = true;
+    }
+    let state_bytes = store
+        .blob(id, snapshot_dir::STATE)?
+        .with_context(|| format!("snapshot {id} has no vCPU and device state"))?;
+    std::fs::write(tmp.join(snapshot_dir::STATE), state_bytes)?;
+    std::fs::write(
+        tmp.join(snapshot_dir::MANIFEST),
+        serde_json::to_vec_pretty(&manifest)?,
+    )?;
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        Err(_) if dir.join(snapshot_dir::MANIFEST).is_file() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot create {}", dir.display())),
+    }
+}
+
+/// Serves a lazily woken vm's page faults from a memory layer of the
+/// store (its local cache first, then the backend; every chunk's hash is
+/// checked).
+struct StoreSource {
+    view: store::LayerView,
+    layout: vmm::layer::RamLayout,
+    /// Ends this VMM process with `why` recorded (see `fill`).
+    fatal: Box<dyn Fn(&str) + Send + Sync>,
+}
+
+impl vmm::pagein::PageSource for StoreSource {
+    fn fill(
+        &self,
+        gpa: u64,
+        buf: &mut [u8],
+    ) -> Result<vmm::pagein::Fill, vmm::pagein::SourceError> {
+        let off = self
+            .layout
+            .offset(gpa)
+            .ok_or_else(|| format!("guest address {gpa:#x} is not RAM"))?;
+        let len = buf.len() as u64;
+        let first = self.view.window_of(off);
+        let last = self.view.window_of(off + len.saturating_sub(1));
+        if (first..=last).all(|w| matches!(self.view.window(w), Some(store::Window::Zero) | None)) {
+            return Ok(vmm::pagein::Fill::Zero);
+        }
+        if let Err(e) = self.view.read_at(buf, off) {
+            // A chunk that cannot be read (corrupt, missing) leaves this
+            // guest range without bytes: the vm cannot go on. The fault can
+            // come while the VMM itself restores devices, before the vm
+            // could be stopped the usual way, so the process ends here.
+            (self.fatal)(&format!("lazy page-in of guest {gpa:#x} failed: {e}"));
+            return Err(e.into());
+        }
+        Ok(vmm::pagein::Fill::Data)
+    }
+}
+
+/// The page source and the prefetch list for a lazy wake of store
+/// snapshot `id` (the VMM process side of `tine wake --lazy`).
+pub fn lazy_source(
+    id: i64,
+    layout: vmm::layer::RamLayout,
+    fatal: Box<dyn Fn(&str) + Send + Sync>,
+) -> anyhow::Result<(
+    std::sync::Arc<dyn vmm::pagein::PageSource>,
+    Option<vmm::pagein::WorkingSet>,
+)> {
+    let home = image::default_home()?;
+    let store = open(&home)?;
+    let id = SnapshotId(id);
+    let view = store.layer(id, LayerKind::Memory)?;
+    anyhow::ensure!(
+        layout.len() == view.size(),
+        "snapshot {id}'s memory layer has {} bytes, the vm's RAM {}",
+        view.size(),
+        layout.len()
+    );
+    let pages = store.snapshot(id)?.working_set;
+    let prefetch = (!pages.is_empty()).then(|| vmm::pagein::WorkingSet {
+        ranges: pages
+            .iter()
+            .filter_map(|p| layout.gpa(p * 4096).map(|g| (g, 4096)))
+            .collect(),
+        window_ms: 0,
+    });
+    Ok((
+        std::sync::Arc::new(StoreSource {
+            view,
+            layout,
+            fatal,
+        }),
+        prefetch,
+    ))
+}
+
+/// `tine wake BRANCH [--name X]`: a vm continues from the branch's
+/// snapshot. Without `--name` the branch itself wakes (it must be
+/// sleeping); with it, a new branch starts from the same snapshot.
+pub fn wake(
+    home: &Path,
+    branch: &str,
+    name: Option<&str>,
+    net: bool,
+    lazy: bool,
+) -> anyhow::Result<ExitCode> {
+    let store = open(home)?;
+    let b = store
+        .branch(branch)?
+        .with_context(|| format!("no branch named {branch:?} in the store (see `tine tree`)"))?;
+    let name = name.unwrap_or(branch);
+    state::validate_name(name)?;
+    if name == branch && b.state != BranchState::Sleeping {
+        bail!(
+            "branch {branch:?} is {}; wake a copy of it with --name",
+            b.state
+        );
+    }
+    if store
+        .branch(name)?
+        .is_some_and(|x| x.state != BranchState::Gone)
+        && name != branch
+    {
+        bail!("a branch named {name:?} exists already; pick another --name");
+    }
+    let args = if lazy {
+        let dir = materialize_lazy(&store, b.snapshot)?;
+        crate::vm_cmds::RunArgs::restore_lazy(name, &dir, net, b.snapshot.0)
+    } else {
+        let dir = materialize(&store, b.snapshot)?;
+        crate::vm_cmds::RunArgs::restore(name, &dir, net)
+    };
+    let code = crate::vm_cmds::run(home, args)?;
+    let vm = VmDir::new(home, name);
+    if vm
+        .read_record()
+        .is_ok_and(|r| vm.state(&r) == VmState::Running)
+    {
+        let link = BranchLink {
+            branch: name.into(),
+            snapshot: b.snapshot.0,
+        };
+        state::write_atomic(&link_path(&vm), &serde_json::to_vec(&link)?)?;
+        if name == branch {
+            store.set_branch(b.id, None, BranchState::Running)?;
+        } else {
+            store.create_branch(name, b.snapshot, BranchState::Running)?;
+        }
+    }
+    Ok(code)
+}
+
+/// `tine fork BRANCH -n K` of a sleeping branch: K new branches wake from
+/// its snapshot (they share its materialized memory file).
+pub fn fork_sleeping(
+    home: &Path,
+    branch: &str,
+    names: &[String],
+    net: bool,
+) -> anyhow::Result<ExitCode> {
+    let mut code = ExitCode::SUCCESS;
+    for n in names {
+        let c = wake(home, branch, Some(n), net, false)?;
+        if c != ExitCode::SUCCESS {
+            code = c;
+        }
+    }
+    Ok(code)
+}
+
+/// Whether `name` is a sleeping branch of this host's store (and not a vm).
+pub fn is_sleeping(home: &Path, name: &str) -> bool {
+    if VmDir::new(home, name).exists() || !store_exists(home) {
+        return false;
+    }
+    open(home)
+        .ok()
+        .and_then(|s| s.branch(name).ok().flatten())
+        .is_some_and(|b| b.state == BranchState::Sleeping)
+}
+
+/// Whether this host's store knows a branch `name` (in any state).
+pub fn has_branch(home: &Path, name: &str) -> bool {
+    store_exists(home)
+        && open(home)
+            .ok()
+            .and_then(|s| s.branch(name).ok().flatten())
+            .is_some()
+}
+
+fn store_exists(home: &Path) -> bool {
+    home.join("store").exists() || std::env::var_os(store::BACKEND_ENV).is_some()
+}
+
+/// Branches whose vm is gone are marked gone (they keep nothing alive).
+fn reap_branches(home: &Path, store: &Store) -> anyhow::Result<()> {
+    for b in store.branches()? {
+        if b.state != BranchState::Running {
+            continue;
+        }
+        let vm = VmDir::new(home, &b.name);
+        let alive = vm
+            .read_record()
+            .is_ok_and(|r| vm.state(&r) == VmState::Running)
+            && read_link(&vm).is_some_and(|l| l.snapshot == b.snapshot.0);
+        if !alive {
+            store.set_branch(b.id, None, BranchState::Gone)?;
+        }
+    }
+    Ok(())
+}
+
+/// `tine tree [--json]`.
+pub fn tree(home: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let store = open(home)?;
+    reap_branches(home, &store)?;
+    let t = store.tree()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&t)?);
+    } else {
+        print!("{}", t.render());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tine gc [--json]`.
+pub fn gc(home: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let store = open(home)?;
+    reap_branches(home, &store)?;
+    let report = store.gc(&store::GcOptions::default(), &Bar::new())?;
+    // Materialized snapshots nothing can wake any more.
+    let live: std::collections::HashSet<i64> = store.snapshots()?.iter().map(|s| s.id.0).collect();
+    if let Ok(rd) = std::fs::read_dir(store.dir().join("wake")) {
+        for e in rd.flatten() {
+            let keep = e
+                .file_name()
+                .to_str()
+                .and_then(|n| n.trim_end_matches("-lazy").parse::<i64>().ok())
+                .is_some_and(|id| live.contains(&id));
+            if !keep {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "gc: {} chunks deleted ({} KiB freed), {} unfinished snapshots reaped, {} leftovers removed",
+            report.chunks_deleted,
+            report.stored_bytes_freed >> 10,
+            report.pending_reaped.len(),
+            report.leftovers_removed
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tine store verify [--json]`.
+pub fn verify(home: &Path, json: bool) -> anyhow::Result<ExitCode> {
+    let store = open(home)?;
+    let report = store.verify(&Bar::new())?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(if report.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,326 @@
+//! The snapshot tree with micro guests on this machine's /dev/kvm: a vm
+//! put to sleep wakes and continues exactly, a sleeping branch woken twice
+//! gives two independent branches, siblings share chunks, a corrupted
+//! chunk is caught, and a sleep killed midway leaves a store that
+//! verifies, no half snapshot and a running vm.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{kvm_available, Home};
+
+fn console(h: &Home, vm: &str) -> String {
+    std::fs::read_to_string(h.0.path().join("vms").join(vm).join("console.log")).unwrap_or_default()
+}
+
+/// Sends a memtouch command; returns the last word of its reply line.
+fn ask(h: &Home, vm: &str, cmd: &str, reply: &str) -> String {
+    let from = console(h, vm).len();
+    h.ok(&["console", vm, "--send", cmd]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = console(h, vm);
+        let done = text.rfind('\n').map(|i| i + 1).unwrap_or(0);
+        if let Some(l) = text
+            .get(from..done)
+            .unwrap_or("")
+            .lines()
+            .find(|l| l.starts_with(reply))
+        {
+            return l.split_whitespace().last().unwrap_or("").to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{vm} did not answer {cmd:?}; console:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn memtouch(h: &Home, name: &str, mem: &str) {
+    h.ok(&[
+        "run",
+        "--name",
+        name,
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        mem,
+    ]);
+    ask(h, name, "ping", "PONG");
+}
+
+fn tree(h: &Home) -> serde_json::Value {
+    serde_json::from_str(&h.ok(&["tree", "--json"])).expect("tree --json")
+}
+
+fn branch_state(t: &serde_json::Value, name: &str) -> String {
+    t["branches"]
+        .as_array()
+        .expect("branches")
+        .iter()
+        .find(|b| b["name"] == name)
+        .map(|b| b["state"].as_str().unwrap_or("").to_string())
+        .unwrap_or_default()
+}
+
+fn running(h: &Home) -> Vec<String> {
+    h.ls()
+        .iter()
+        .filter(|r| r["state"] == "running")
+        .map(|r| r["name"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn test_sleep_then_wake_continues_exactly_and_a_branch_woken_twice_gives_two() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-wake");
+    memtouch(&h, "m", "256M");
+    let sum = ask(&h, "m", "touch 8 7", "TOUCHED");
+    let out = h.ok(&["sleep", "m"]);
+    assert!(out.contains("sleeping in snapshot"), "{out}");
+    assert!(running(&h).is_empty(), "a sleeping branch has no vm");
+    assert_eq!(branch_state(&tree(&h), "m"), "sleeping");
+    let picture = h.ok(&["tree"]);
+    assert!(picture.contains("m (sleeping)"), "{picture}");
+
+    // Woken: the same memory, not a boot.
+    h.ok(&["wake", "m"]);
+    assert_eq!(ask(&h, "m", "sum 8", "SUM"), sum);
+    assert!(!console(&h, "m").contains("READY"), "woken, not booted");
+    assert_eq!(branch_state(&tree(&h), "m"), "running");
+    let again = h.out(&["wake", "m"]);
+    assert!(!again.status.success());
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(err.contains("--name"), "{err}");
+
+    // Sleep again (a child snapshot), then two copies of it diverge.
+    ask(&h, "m", "touch 8 8", "TOUCHED");
+    let slept = h.ok(&["sleep", "m", "--json"]);
+    let s: serde_json::Value = serde_json::from_str(&slept).expect("sleep --json");
+    assert!(
+        s["parent"].is_i64(),
+        "the second sleep is a child snapshot: {slept}"
+    );
+    h.ok(&["wake", "m", "--name", "a"]);
+    h.ok(&["wake", "m", "--name", "b"]);
+    let sum8 = ask(&h, "a", "sum 8", "SUM");
+    assert_eq!(ask(&h, "b", "sum 8", "SUM"), sum8);
+    assert_ne!(sum8, sum, "the second snapshot has the second touch");
+    let a = ask(&h, "a", "touch 8 1", "TOUCHED");
+    assert_eq!(
+        ask(&h, "b", "sum 8", "SUM"),
+        sum8,
+        "b does not see a's writes"
+    );
+    assert_ne!(ask(&h, "b", "touch 8 2", "TOUCHED"), a);
+    let t = tree(&h);
+    assert_eq!(branch_state(&t, "a"), "running");
+    assert_eq!(branch_state(&t, "b"), "running");
+    assert_eq!(branch_state(&t, "m"), "sleeping");
+
+    // A sleeping branch forks into new branches.
+    h.ok(&["fork", "m", "--names", "f1,f2"]);
+    assert_eq!(ask(&h, "f2", "sum 8", "SUM"), sum8);
+    let v = h.ok(&["store", "verify"]);
+    assert!(v.contains("0 missing, 0 corrupt"), "{v}");
+    for vm in ["a", "b", "f1", "f2"] {
+        h.ok(&["rm", "--force", vm]);
+    }
+}
+
+#[test]
+fn test_ten_siblings_asleep_share_their_parents_chunks() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-dedup");
+    memtouch(&h, "p", "1G");
+    ask(&h, "p", "touch 64 0", "TOUCHED");
+    let names: Vec<String> = (1..=10).map(|i| format!("s{i}")).collect();
+    h.ok(&["fork", "p", "--names", &names.join(",")]);
+    for (i, n) in names.iter().enumerate() {
+        ask(&h, n, &format!("touch 8 {}", i + 1), "TOUCHED");
+    }
+    let parent: serde_json::Value =
+        serde_json::from_str(&h.ok(&["sleep", "p", "--json"])).expect("json");
+    let parent_stored = parent["new_stored"].as_u64().expect("new_stored");
+    for n in &names {
+        h.ok(&["sleep", n]);
+    }
+    let t = tree(&h);
+    let stored = t["totals"]["stored_bytes"].as_u64().expect("stored_bytes");
+    let metadata = t["metadata_bytes"].as_u64().expect("metadata_bytes");
+    // Besides its 8 MiB each sibling dirties a few pages of its own (the
+    // guest's stack, the console's line buffer): one window of the store
+    // (store::DEFAULT_WINDOW_SIZE) per such spot, allowed as overhead.
+    let strict = parent_stored + 10 * (8 << 20);
+    let bound = strict + 10 * 2 * store::DEFAULT_WINDOW_SIZE;
+    eprintln!(
+        "10 siblings of a 1 GiB parent, 8 MiB each of their own: stored {} KiB, parent {} KiB, parent + 10 x 8 MiB = {} KiB, ratio {:.4}; metadata {} KiB",
+        stored >> 10,
+        parent_stored >> 10,
+        strict >> 10,
+        stored as f64 / strict as f64,
+        metadata >> 10
+    );
+    assert!(
+        stored <= bound,
+        "siblings share their parent's chunks: stored {stored} > {bound} (parent + 10 x (8 MiB + 2 windows))"
+    );
+    for n in &names {
+        assert_eq!(branch_state(&t, n), "sleeping");
+    }
+}
+
+#[test]
+fn test_a_corrupted_chunk_fails_the_wake_and_verify_names_it() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-corrupt");
+    memtouch(&h, "c", "128M");
+    ask(&h, "c", "touch 4 3", "TOUCHED");
+    h.ok(&["sleep", "c"]);
+    // Flip bytes in the middle of every stored chunk.
+    let chunks = h.0.path().join("store").join("chunks");
+    let mut n = 0;
+    for dir in std::fs::read_dir(&chunks).expect("chunks dir").flatten() {
+        for f in std::fs::read_dir(dir.path()).expect("chunk dir").flatten() {
+            let mut b = std::fs::read(f.path()).expect("chunk");
+            let mid = b.len() / 2;
+            b[mid] ^= 0x5a;
+            std::fs::write(f.path(), b).expect("corrupt");
+            n += 1;
+        }
+    }
+    assert!(n > 0, "no chunk files under {}", chunks.display());
+    let v = h.out(&["store", "verify"]);
+    assert!(!v.status.success(), "verify fails on a corrupted store");
+    let text = String::from_utf8_lossy(&v.stdout);
+    assert!(
+        text.contains("corrupt") && text.contains("chunk "),
+        "{text}"
+    );
+    let w = h.out(&["wake", "c"]);
+    assert!(!w.status.success(), "a corrupted chunk fails the wake");
+    let err = String::from_utf8_lossy(&w.stderr);
+    assert!(
+        err.contains("snapshot") && err.contains("chunk"),
+        "the error names the snapshot and the chunk: {err}"
+    );
+    assert!(running(&h).is_empty());
+}
+
+#[test]
+fn test_a_sleep_killed_midway_leaves_a_running_vm_and_a_store_that_verifies() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-kill");
+    memtouch(&h, "k", "128M");
+    let sum = ask(&h, "k", "touch 4 5", "TOUCHED");
+    for point in ["mid-chunks:3", "after-chunks", "before-commit"] {
+        let out = h
+            .cmd(&["sleep", "k"])
+            .env("TINE_STORE_FAULT", point)
+            .output()
+            .expect("tine sleep");
+        assert!(!out.status.success(), "the fault {point} ends the sleep");
+        assert_eq!(running(&h), vec!["k".to_string()], "after {point}");
+        assert_eq!(ask(&h, "k", "sum 4", "SUM"), sum, "after {point}");
+        let t = tree(&h);
+        assert!(
+            t["snapshots"].as_array().expect("snapshots").is_empty(),
+            "no half snapshot after {point}: {t}"
+        );
+        let v = h.ok(&["store", "verify"]);
+        assert!(v.contains("0 missing, 0 corrupt"), "after {point}: {v}");
+    }
+    // The store still works: the sleep now succeeds, and gc keeps it.
+    h.ok(&["sleep", "k"]);
+    h.ok(&["gc"]);
+    h.ok(&["wake", "k"]);
+    assert_eq!(ask(&h, "k", "sum 4", "SUM"), sum);
+}
+
+#[test]
+fn test_a_lazy_wake_pages_memory_in_from_the_store_and_records_its_working_set() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-lazy");
+    memtouch(&h, "l", "256M");
+    let sum = ask(&h, "l", "touch 16 9", "TOUCHED");
+    h.ok(&["sleep", "l"]);
+    // Nothing of the memory is written out: the VMM faults it in.
+    h.ok(&["wake", "l", "--lazy"]);
+    assert_eq!(ask(&h, "l", "sum 16", "SUM"), sum);
+    let lazy_dir = h.0.path().join("store").join("wake").join("1-lazy");
+    let on_disk = std::fs::metadata(lazy_dir.join("memory"))
+        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        .expect("the lazy wake's memory file");
+    assert_eq!(on_disk, 0, "a lazy wake writes no memory file");
+    // The working set is written once the recording window (5 s) closes,
+    // and the next sleep stores it.
+    let ws = h.0.path().join("vms").join("l").join("working-set.json");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ws.exists() {
+        assert!(Instant::now() < deadline, "no working set recorded");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let set: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&ws).expect("working set")).expect("json");
+    assert!(
+        !set["ranges"].as_array().expect("ranges").is_empty(),
+        "{set}"
+    );
+    h.ok(&["sleep", "l"]);
+    // Woken lazily again (with the stored working set prefetched), then
+    // forked: a lazily woken vm is made resident before fork(2).
+    h.ok(&["wake", "l", "--lazy"]);
+    h.ok(&["fork", "l", "--names", "l1"]);
+    assert_eq!(ask(&h, "l1", "sum 16", "SUM"), sum);
+    assert_eq!(ask(&h, "l", "sum 16", "SUM"), sum);
+    for vm in ["l", "l1"] {
+        h.ok(&["rm", "--force", vm]);
+    }
+}
+
+#[test]
+fn test_a_lazy_wake_over_a_corrupted_chunk_ends_the_vm_naming_the_chunk() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-lazybad");
+    memtouch(&h, "z", "128M");
+    ask(&h, "z", "touch 4 3", "TOUCHED");
+    h.ok(&["sleep", "z"]);
+    let chunks = h.0.path().join("store").join("chunks");
+    for dir in std::fs::read_dir(&chunks).expect("chunks dir").flatten() {
+        for f in std::fs::read_dir(dir.path()).expect("chunk dir").flatten() {
+            let mut b = std::fs::read(f.path()).expect("chunk");
+            let mid = b.len() / 2;
+            b[mid] ^= 0x5a;
+            std::fs::write(f.path(), b).expect("corrupt");
+        }
+    }
+    // The wake may report the VMM up before the first fault ends it.
+    let _ = h.out(&["wake", "z", "--lazy"]);
+    let exit = h.0.path().join("vms").join("z").join("exit.json");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !exit.exists() {
+        assert!(Instant::now() < deadline, "the vm did not end");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let reason = std::fs::read_to_string(&exit).expect("exit.json");
+    assert!(
+        reason.contains("chunk") && reason.contains("snapshot"),
+        "the exit names the chunk and the snapshot: {reason}"
+    );
+    assert!(running(&h).is_empty());
+}
