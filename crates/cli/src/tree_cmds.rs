@@ -442,8 +442,6 @@ fn materialize_lazy(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
 struct StoreSource {
     view: store::LayerView,
     layout: vmm::layer::RamLayout,
-    /// Ends this VMM process with `why` recorded (see `fill`).
-    fatal: Box<dyn Fn(&str) + Send + Sync>,
 }
 
 impl vmm::pagein::PageSource for StoreSource {
@@ -462,14 +460,9 @@ impl vmm::pagein::PageSource for StoreSource {
         if (first..=last).all(|w| matches!(self.view.window(w), Some(store::Window::Zero) | None)) {
             return Ok(vmm::pagein::Fill::Zero);
         }
-        if let Err(e) = self.view.read_at(buf, off) {
-            // A chunk that cannot be read (corrupt, missing) leaves this
-            // guest range without bytes: the vm cannot go on. The fault can
-            // come while the VMM itself restores devices, before the vm
-            // could be stopped the usual way, so the process ends here.
-            (self.fatal)(&format!("lazy page-in of guest {gpa:#x} failed: {e}"));
-            return Err(e.into());
-        }
+        // A chunk that cannot be read (corrupt, missing) ends the vm; the
+        // error names the snapshot, window and chunk.
+        self.view.read_at(buf, off)?;
         Ok(vmm::pagein::Fill::Data)
     }
 }
@@ -479,7 +472,6 @@ impl vmm::pagein::PageSource for StoreSource {
 pub fn lazy_source(
     id: i64,
     layout: vmm::layer::RamLayout,
-    fatal: Box<dyn Fn(&str) + Send + Sync>,
 ) -> anyhow::Result<(
     std::sync::Arc<dyn vmm::pagein::PageSource>,
     Option<vmm::pagein::WorkingSet>,
@@ -502,14 +494,7 @@ pub fn lazy_source(
             .collect(),
         window_ms: 0,
     });
-    Ok((
-        std::sync::Arc::new(StoreSource {
-            view,
-            layout,
-            fatal,
-        }),
-        prefetch,
-    ))
+    Ok((std::sync::Arc::new(StoreSource { view, layout }), prefetch))
 }
 
 /// `tine wake BRANCH [--name X]`: a vm continues from the branch's

@@ -198,21 +198,8 @@ fn restore(
         ..VmConfig::default()
     };
     if let Some(id) = args.lazy_snapshot {
-        let opts = ProcessOptions {
-            start_paused: false,
-            name: args.name.clone(),
-            api_socket: None,
-            exit_file: args.exit_file.clone(),
-        };
-        let (source, prefetch) = crate::tree_cmds::lazy_source(
-            id,
-            vmm::layer::RamLayout::of(&moment.ram_regions()),
-            Box::new(move |why: &str| {
-                vmm::process::write_exit(&opts, &format!("crashed: {why}"));
-                eprintln!("tine: {why}; the vm ends");
-                std::process::exit(1);
-            }),
-        )?;
+        let (source, prefetch) =
+            crate::tree_cmds::lazy_source(id, vmm::layer::RamLayout::of(&moment.ram_regions()))?;
         let options = vmm::pagein::LazyOptions {
             working_set_out: args.working_set_out.clone(),
             prefetch,
