@@ -109,6 +109,46 @@ fn main() {
     let home = std::env::temp_dir().join(format!("tine-bench-effects-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&home);
     std::fs::create_dir_all(home.join("vms/b")).expect("home");
+    // Journal commits alone (each one fsynced: synchronous=FULL).
+    let jpath = home.join("bench-journal.db");
+    let mut j = Journal::open(&jpath).expect("journal");
+    let commits = n.max(200);
+    let t = Instant::now();
+    let mut ins = Duration::ZERO;
+    let mut comp = Duration::ZERO;
+    for i in 0..commits / 2 {
+        let t1 = Instant::now();
+        let key = format!("k{i}");
+        let id = j
+            .insert(&NewEffect {
+                tree: "t",
+                scope: "",
+                key: Some(&key),
+                key_text: None,
+                key_source: Some("header"),
+                branch: "b",
+                method: "POST",
+                url: "http://x/",
+                dest: "x:80",
+                digest: Some("d"),
+                policy: "once-per-tree",
+                state: State::Sent,
+                status: None,
+                req_bytes: 2,
+                error: None,
+            })
+            .expect("insert")
+            .expect("new");
+        let t2 = Instant::now();
+        j.complete(id, 200, b"content-type: text/plain\r\n", b"ok")
+            .expect("complete");
+        ins += t2 - t1;
+        comp += t2.elapsed();
+    }
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / (commits / 2) as f64;
+    let (ins_us, comp_us) = (per(ins), per(comp));
+    let writes_per_s = (commits / 2 * 2) as f64 / t.elapsed().as_secs_f64();
+    drop(j);
     let paths = Paths::new(&home);
     let mut gw = Command::new(gw_bin)
         .arg("--home")
@@ -161,46 +201,6 @@ fn main() {
     let _ = gw.kill();
     let _ = gw.wait();
 
-    // Journal commits alone (each one fsynced: synchronous=FULL).
-    let jpath = home.join("bench-journal.db");
-    let mut j = Journal::open(&jpath).expect("journal");
-    let commits = n.max(200);
-    let t = Instant::now();
-    let mut ins = Duration::ZERO;
-    let mut comp = Duration::ZERO;
-    for i in 0..commits / 2 {
-        let t1 = Instant::now();
-        let key = format!("k{i}");
-        let id = j
-            .insert(&NewEffect {
-                tree: "t",
-                scope: "",
-                key: Some(&key),
-                key_text: None,
-                key_source: Some("header"),
-                branch: "b",
-                method: "POST",
-                url: "http://x/",
-                dest: "x:80",
-                digest: Some("d"),
-                policy: "once-per-tree",
-                state: State::Sent,
-                status: None,
-                req_bytes: 2,
-                error: None,
-            })
-            .expect("insert")
-            .expect("new");
-        let t2 = Instant::now();
-        j.complete(id, 200, b"content-type: text/plain\r\n", b"ok")
-            .expect("complete");
-        ins += t2 - t1;
-        comp += t2.elapsed();
-    }
-    let per = |d: Duration| d.as_secs_f64() * 1e6 / (commits / 2) as f64;
-    let (ins_us, comp_us) = (per(ins), per(comp));
-    let writes_per_s = (commits / 2 * 2) as f64 / t.elapsed().as_secs_f64();
-    drop(j);
     let _ = std::fs::remove_dir_all(&home);
 
     let (d, e, r, p) = (
