@@ -3,7 +3,7 @@
 //! since a base (a diff layer), and the file a snapshot writes them to.
 //!
 //! [`windows`] reads a frozen view in place (no copy of RAM first);
-//! [`write`] streams those windows to `memory.layer`; [`LayerReader`]
+//! [`write()`] streams those windows to `memory.layer`; [`LayerReader`]
 //! reads that file back window by window, which is what the store
 //! consumes. Format (little-endian), docs/design/store.md:
 //!
@@ -186,7 +186,7 @@ fn populated(base: *mut u8, len: usize) -> Result<Vec<bool>, LayerError> {
     Ok(vec.into_iter().map(|v| v & 1 == 1).collect())
 }
 
-/// What [`write`] wrote.
+/// What [`write()`] wrote.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LayerInfo {
     /// The base a diff layer applies to (None: a full layer).

@@ -6,6 +6,12 @@
 //! [`Vmm::start`] runs it in the background and gives a [`VmmHandle`] to
 //! pause, resume and save it ([`state`] holds what is saved, [`vstate`] the
 //! control and the restore into a new VM).
+//!
+//! Sleep and wake (docs/design/store.md, "Memory layers in the VMM"):
+//! [`dirty`] tracks the pages changed since a stored base, [`layer`]
+//! writes and reads memory layers (full or diff), and [`pagein`] wakes a
+//! vm whose RAM is paged in lazily (userfaultfd) from a
+//! [`pagein::PageSource`].
 
 pub mod api;
 pub mod arch;

@@ -142,7 +142,7 @@ pub fn write(
     Ok(written)
 }
 
-/// Writes `parts` to `dir` like [`write`], with memory as a layer in
+/// Writes `parts` to `dir` like [`write()`], with memory as a layer in
 /// `memory.layer` ([`crate::layer`]): all populated non-zero memory, or
 /// the pages dirtied since the base (the set is in `parts.mem`'s bitmaps,
 /// collected at the moment). Returns what the layer holds.
