@@ -218,6 +218,21 @@ fn test_dirty_set_follows_forks_and_snapshots() {
     let child_pid = call.reply.children[0];
     drop(call);
     let child = Console::in_dir(&dir, "child");
+    // The child tracks on its own, against its parent's base.
+    let t = vmm::api::call(
+        &dir.join("child.api"),
+        &vmm::api::Request::TrackDirty,
+        micro::WAIT,
+    )
+    .expect("track dirty");
+    assert_eq!(
+        t.reply.dirty,
+        Some(vmm::dirty::DirtyTracking {
+            enabled: true,
+            base: Some("s0".into())
+        })
+    );
+    drop(t);
     child.command("touch 6 5", "TOUCHED", 1);
 
     // The child's diff against s0 holds its 6 MiB (which cover the
