@@ -22,7 +22,7 @@ use crate::state::{VmDir, VmRecord};
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Written into a snapshot directory: whose moment it is, so a restored
 /// copy continues the lineage.
-const SNAPSHOT_LINEAGE: &str = "tine-lineage.json";
+pub const SNAPSHOT_LINEAGE: &str = "tine-lineage.json";
 
 /// `tine gateway ...`.
 #[derive(clap::Subcommand, Debug)]

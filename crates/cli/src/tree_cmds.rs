@@ -160,9 +160,16 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
     let _ = std::fs::remove_dir_all(&staging);
     let t0 = Instant::now();
 
-    // The moment: quiesced, written to the staging directory; the vm goes
-    // on (in a new process) until the snapshot is committed.
+    // The moment: quiesced, recorded by the effects gateway (the branch's
+    // effects up to here are its wakers' past), written to the staging
+    // directory; the vm goes on (in a new process) until the commit.
+    crate::effects_cmds::ensure_branch(&vm, &mut r)?;
+    let mut moment = crate::effects_cmds::Moment::new(&r, effects::MomentKind::Snapshot)?;
     let quiesced = wake::quiesce(&vm, &r)?;
+    if let Err(e) = moment.begin(home, &vm, &r) {
+        wake_again(&vm, &r, quiesced.is_some());
+        return Err(e);
+    }
     let contract = vm.read_contract()?;
     let res = api::call(
         &vm.api_socket(),
@@ -173,6 +180,10 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
         },
         SNAPSHOT_TIMEOUT,
     );
+    let taken = matches!(&res, Ok(c) if c.reply.error.is_none());
+    for p in moment.end(home, taken, &[]) {
+        eprintln!("tine: {p}");
+    }
     let reply = match res {
         Ok(c) if c.reply.error.is_none() => c.reply.clone(),
         Ok(c) => {
@@ -197,6 +208,7 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
     let snapshot_ms = t0.elapsed().as_secs_f64() * 1000.0;
 
     let t1 = Instant::now();
+    crate::effects_cmds::write_snapshot_lineage(&staging, &r, &moment)?;
     let _ = std::fs::copy(
         vm.dir.join(crate::vm_cmds::WORKING_SET),
         staging.join(crate::vm_cmds::WORKING_SET),
@@ -290,6 +302,9 @@ fn store_snapshot(
         w.put_layer(LayerKind::Disk(i), &source, &Dirty::All, &bar)?;
     }
     w.put_blob(snapshot_dir::STATE, state_bytes);
+    if let Ok(l) = std::fs::read(dir.join(crate::effects_cmds::SNAPSHOT_LINEAGE)) {
+        w.put_blob(crate::effects_cmds::SNAPSHOT_LINEAGE, l);
+    }
     if let Some(pages) = working_set_pages(dir, &manifest) {
         w.set_working_set(pages);
     }
@@ -354,6 +369,10 @@ fn materialize(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
         .blob(id, snapshot_dir::STATE)?
         .with_context(|| format!("snapshot {id} has no vCPU and device state"))?;
     std::fs::write(tmp.join(snapshot_dir::STATE), state_bytes)?;
+    // Whose moment it is: a woken branch continues its effects lineage.
+    if let Some(l) = store.blob(id, crate::effects_cmds::SNAPSHOT_LINEAGE)? {
+        std::fs::write(tmp.join(crate::effects_cmds::SNAPSHOT_LINEAGE), l)?;
+    }
     std::fs::write(
         tmp.join(snapshot_dir::MANIFEST),
         serde_json::to_vec_pretty(&manifest)?,
@@ -422,6 +441,10 @@ fn materialize_lazy(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
         .blob(id, snapshot_dir::STATE)?
         .with_context(|| format!("snapshot {id} has no vCPU and device state"))?;
     std::fs::write(tmp.join(snapshot_dir::STATE), state_bytes)?;
+    // Whose moment it is: a woken branch continues its effects lineage.
+    if let Some(l) = store.blob(id, crate::effects_cmds::SNAPSHOT_LINEAGE)? {
+        std::fs::write(tmp.join(crate::effects_cmds::SNAPSHOT_LINEAGE), l)?;
+    }
     std::fs::write(
         tmp.join(snapshot_dir::MANIFEST),
         serde_json::to_vec_pretty(&manifest)?,
