@@ -148,8 +148,9 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-/// Part 1: dirty log cost. Returns (dirty ms, idle ms, touch on ms, touch off ms).
-fn bench_dirty_log(dir: &Path, runs: usize) -> (f64, f64, f64, f64) {
+/// Part 1: dirty log cost. Returns (dirty ms, idle ms, touch on ms,
+/// touch after a collection ms, touch off ms).
+fn bench_dirty_log(dir: &Path, runs: usize) -> (f64, f64, f64, f64, f64) {
     let c = Console::new(dir, "dirty");
     let running = vmm::build(&c.config(MEM_MIB))
         .expect("build")
@@ -166,7 +167,11 @@ fn bench_dirty_log(dir: &Path, runs: usize) -> (f64, f64, f64, f64) {
         off.push(ms(t.elapsed()));
     }
     h.enable_dirty_tracking().expect("tracking");
-    let (mut dirty, mut idle, mut on) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut dirty, mut idle, mut on, mut again) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    println!(
+        "manual dirty-log protection: {}",
+        h.vm().manual_dirty_protect()
+    );
     for i in 0..runs {
         h.pause().expect("pause");
         h.rebase_dirty(Some(format!("b{i}"))).expect("rebase");
@@ -179,6 +184,13 @@ fn bench_dirty_log(dir: &Path, runs: usize) -> (f64, f64, f64, f64) {
         let log = h.dirty_log().expect("dirty log");
         dirty.push(ms(t.elapsed()));
         assert!(log.pages.bytes() >= DIRTY_MIB << 20);
+        // A moment taken without a rebase (a fork of a tracked vm): with
+        // manual protection the pages stay writable.
+        h.resume().expect("resume");
+        let t = Instant::now();
+        c.command(&format!("touch {DIRTY_MIB} {}", 50 + i), "TOUCHED");
+        again.push(ms(t.elapsed()));
+        h.pause().expect("pause");
         h.rebase_dirty(Some(format!("c{i}"))).expect("rebase");
         let t = Instant::now();
         let log = h.dirty_log().expect("dirty log");
@@ -191,6 +203,7 @@ fn bench_dirty_log(dir: &Path, runs: usize) -> (f64, f64, f64, f64) {
         median(&mut dirty),
         median(&mut idle),
         median(&mut on),
+        median(&mut again),
         median(&mut off),
     )
 }
@@ -323,7 +336,7 @@ fn main() {
         dir.display()
     );
 
-    let (dirty_ms, idle_ms, touch_on, touch_off) = bench_dirty_log(&dir, a.runs);
+    let (dirty_ms, idle_ms, touch_on, touch_again, touch_off) = bench_dirty_log(&dir, a.runs);
     println!("dirty log ({DIRTY_MIB} MiB dirtied since the base): median {dirty_ms:.3} ms; idle (nothing dirtied): {idle_ms:.3} ms");
     println!(
         "guest `touch {DIRTY_MIB}` (rewrite): tracking on {touch_on:.1} ms, off {touch_off:.1} ms"
@@ -403,7 +416,7 @@ fn main() {
         .unwrap_or(0);
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "dirty_log_ms={dirty_ms:.3} dirty_log_idle_ms={idle_ms:.3} touch_tracked_ms={touch_on:.1} touch_untracked_ms={touch_off:.1} warm_running_ms={:.2} cold_running_ms={:.2} warm_ttuw_ms={warm:.1} cold_ttuw_ms={:.1} prefetch_ttuw_ms={:.1} prefetch_first_ttuw_ms={:.1} cold_prefetch_vs_warm={ratio:.2} unit_kib={} best_unit_kib={best_unit} delay_us={}",
+        "dirty_log_ms={dirty_ms:.3} dirty_log_idle_ms={idle_ms:.3} touch_tracked_ms={touch_on:.1} touch_after_collect_ms={touch_again:.1} touch_untracked_ms={touch_off:.1} warm_running_ms={:.2} cold_running_ms={:.2} warm_ttuw_ms={warm:.1} cold_ttuw_ms={:.1} prefetch_ttuw_ms={:.1} prefetch_first_ttuw_ms={:.1} cold_prefetch_vs_warm={ratio:.2} unit_kib={} best_unit_kib={best_unit} delay_us={}",
         med[0].0,
         med[1].0,
         med[1].1,

@@ -237,9 +237,11 @@ impl From<PageRuns> for PageBitmap {
     }
 }
 
-/// Folds KVM's dirty log (which KVM then clears) into the regions'
-/// VMM-write bitmaps, so those hold every page dirtied since the base.
-/// Call with the vCPUs paused for a consistent moment.
+/// Folds KVM's dirty log into the regions' VMM-write bitmaps, so those
+/// hold every page dirtied since the base. KVM clears its log and
+/// protects the pages again, or, with manual protection, keeps both
+/// (the OR is idempotent) until [`rebase`]. Call with the vCPUs paused
+/// for a consistent moment.
 pub fn collect(vm: &Vm, mem: &GuestMemoryMmap) -> Result<(), VmError> {
     for (slot, region) in mem.iter().enumerate() {
         let slot = u32::try_from(slot).map_err(|_| VmError::TooManyRegions)?;
@@ -313,7 +315,12 @@ pub fn rebase(vm: &Vm, mem: &GuestMemoryMmap, tracking: bool) -> Result<(), VmEr
     if tracking {
         for (slot, region) in mem.iter().enumerate() {
             let slot = u32::try_from(slot).map_err(|_| VmError::TooManyRegions)?;
-            vm.dirty_log(slot, region.len() as usize)?;
+            let mut log = vm.dirty_log(slot, region.len() as usize)?;
+            // With manual protection the read left the pages writable:
+            // protect exactly those again, so their next write counts.
+            if vm.manual_dirty_protect() && log.iter().any(|&w| w != 0) {
+                vm.clear_dirty_log(slot, region.len() as usize, &mut log)?;
+            }
         }
     }
     for region in mem.iter() {

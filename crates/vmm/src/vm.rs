@@ -1,12 +1,14 @@
 //! The KVM VM: /dev/kvm, the VM fd, guest memory slots, in-kernel irqchip and PIT.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region, CpuId,
-    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MAX_CPUID_ENTRIES,
-    KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+    kvm_clear_dirty_log, kvm_clock_data, kvm_enable_cap, kvm_irqchip, kvm_pit_config,
+    kvm_userspace_memory_region, CpuId, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
+    KVM_IRQCHIP_PIC_SLAVE, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
@@ -71,7 +73,18 @@ pub struct Vm {
     /// Read on first use: a restore never needs it, and it costs time on
     /// the fork path.
     supported_cpuid: OnceLock<CpuId>,
+    /// KVM's manual dirty-log protection is on: KVM_GET_DIRTY_LOG leaves
+    /// pages writable, only [`Vm::clear_dirty_log`] protects them again.
+    manual_dirty: AtomicBool,
 }
+
+// KVM_CLEAR_DIRTY_LOG, which kvm-ioctls does not wrap.
+vmm_sys_util::ioctl_iowr_nr!(
+    KVM_CLEAR_DIRTY_LOG,
+    kvm_bindings::KVMIO,
+    0xc0,
+    kvm_clear_dirty_log
+);
 
 impl Vm {
     /// Opens `kvm_path` and creates a VM.
@@ -92,6 +105,7 @@ impl Vm {
             fd,
             kvm,
             supported_cpuid: OnceLock::new(),
+            manual_dirty: AtomicBool::new(false),
         })
     }
 
@@ -106,8 +120,73 @@ impl Vm {
     /// memslot registered by [`Vm::register_memory`]: a flags-only change of
     /// each slot, allowed while vCPUs run. Turning it on write-protects the
     /// slot, so the guest's next write to each page is logged.
+    ///
+    /// Where KVM offers it, manual protection (KVM_CAP_MANUAL_DIRTY_LOG_
+    /// PROTECT2) is turned on first: reading the log then leaves pages
+    /// writable, so a tracked vm whose set is collected at every fork or
+    /// checkpoint takes a write fault per page once per base, not once per
+    /// collection ([`Vm::clear_dirty_log`] protects them again).
     pub fn set_dirty_logging(&self, mem: &GuestMemoryMmap, on: bool) -> Result<(), VmError> {
+        if on && !self.manual_dirty.load(Ordering::Acquire) {
+            let wanted = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE);
+            let offered = self
+                .fd
+                .check_extension_raw(u64::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2));
+            if offered > 0 && (offered as u64) & wanted != 0 {
+                let cap = kvm_enable_cap {
+                    cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+                    args: [wanted, 0, 0, 0],
+                    ..Default::default()
+                };
+                // Without it the log works as before (each read protects).
+                if self.fd.enable_cap(&cap).is_ok() {
+                    self.manual_dirty.store(true, Ordering::Release);
+                }
+            }
+        }
         self.set_memslots(mem, if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 })
+    }
+
+    /// Whether reading the dirty log leaves pages writable (manual
+    /// protection; see [`Vm::set_dirty_logging`]).
+    pub fn manual_dirty_protect(&self) -> bool {
+        self.manual_dirty.load(Ordering::Acquire)
+    }
+
+    /// KVM_CLEAR_DIRTY_LOG: clears the bits of `bitmap` (as read from
+    /// memslot `slot`) in KVM's log and write-protects those pages again,
+    /// so their next write is logged. Only with manual protection.
+    pub fn clear_dirty_log(
+        &self,
+        slot: u32,
+        len: usize,
+        bitmap: &mut [u64],
+    ) -> Result<(), VmError> {
+        let pages = (len as u64).div_ceil(4096);
+        let arg = kvm_clear_dirty_log {
+            slot,
+            num_pages: u32::try_from(pages).map_err(|_| VmError::TooManyRegions)?,
+            first_page: 0,
+            __bindgen_anon_1: kvm_bindings::kvm_clear_dirty_log__bindgen_ty_1 {
+                dirty_bitmap: bitmap.as_mut_ptr().cast(),
+            },
+        };
+        if bitmap.len() as u64 * 64 < pages {
+            return Err(VmError::InvalidState(
+                "dirty bitmap shorter than the memslot",
+            ));
+        }
+        // SAFETY: a VM fd, and a kvm_clear_dirty_log whose bitmap holds a
+        // bit for each of its num_pages pages.
+        let rc =
+            unsafe { vmm_sys_util::ioctl::ioctl_with_ref(&self.fd, KVM_CLEAR_DIRTY_LOG(), &arg) };
+        if rc < 0 {
+            return Err(VmError::Kvm(
+                "KVM_CLEAR_DIRTY_LOG",
+                kvm_ioctls::Error::last(),
+            ));
+        }
+        Ok(())
     }
 
     fn set_memslots(&self, mem: &GuestMemoryMmap, flags: u32) -> Result<(), VmError> {

@@ -123,6 +123,18 @@ fn test_dirty_log_names_exactly_the_touched_pages() {
     assert_eq!(log.base.as_deref(), Some("m2"));
     assert_eq!(count_in(&log.pages, REGION, 256 * MIB), 0);
     assert!(log.pages.count() <= 16, "{:?}", log.pages.runs());
+
+    // Pages written before the rebase are protected again by it (with
+    // manual protection, by KVM_CLEAR_DIRTY_LOG): rewriting them counts.
+    h.resume().expect("resume");
+    console.command("touch 2 3", "TOUCHED", 3);
+    h.pause().expect("pause");
+    let log = h.dirty_log().expect("dirty log");
+    assert_eq!(count_in(&log.pages, REGION, 256 * MIB), 2 * MIB / PAGE_SIZE);
+    println!(
+        "manual dirty-log protection: {}",
+        h.vm().manual_dirty_protect()
+    );
     h.resume().expect("resume");
     running.handle().stop();
     let _ = std::fs::remove_dir_all(dir);
