@@ -339,7 +339,7 @@ fn main() {
     let (dirty_ms, idle_ms, touch_on, touch_again, touch_off) = bench_dirty_log(&dir, a.runs);
     println!("dirty log ({DIRTY_MIB} MiB dirtied since the base): median {dirty_ms:.3} ms; idle (nothing dirtied): {idle_ms:.3} ms");
     println!(
-        "guest `touch {DIRTY_MIB}` (rewrite): tracking on {touch_on:.1} ms, off {touch_off:.1} ms"
+        "guest `touch {DIRTY_MIB}` (rewrite): tracked, first since the base {touch_on:.1} ms, again after a collection {touch_again:.1} ms; untracked {touch_off:.1} ms"
     );
 
     let moment = make_snapshot(&dir);
