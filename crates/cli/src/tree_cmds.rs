@@ -171,15 +171,24 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
         return Err(e);
     }
     let contract = vm.read_contract()?;
-    let res = api::call(
-        &vm.api_socket(),
-        &Request::Snapshot {
+    // A vm woken from a stored snapshot tracks the pages it dirtied since
+    // (KVM's dirty log and the VMM's own writes): only those are written
+    // and stored, as a diff layer over that snapshot's.
+    let req = match parent {
+        Some(_) => Request::SnapshotLayer {
+            dir: staging.clone(),
+            layers_dir: state::layers_dir(home),
+            contract: Some(contract.to_toml()),
+            full: false,
+            rebase: None,
+        },
+        None => Request::Snapshot {
             dir: staging.clone(),
             layers_dir: state::layers_dir(home),
             contract: Some(contract.to_toml()),
         },
-        SNAPSHOT_TIMEOUT,
-    );
+    };
+    let res = api::call(&vm.api_socket(), &req, SNAPSHOT_TIMEOUT);
     let taken = matches!(&res, Ok(c) if c.reply.error.is_none());
     for p in moment.end(home, taken, &[]) {
         eprintln!("tine: {p}");
@@ -286,8 +295,31 @@ fn store_snapshot(
     let before = store.counters();
     let mut w = store.begin(parent, &manifest_text)?;
     let bar = Bar::new();
-    let memory = std::fs::File::open(dir.join(snapshot_dir::MEMORY))?;
-    let mem = w.put_layer(LayerKind::Memory, &memory, &Dirty::All, &bar)?;
+    let mem = match (parent, dir.join(snapshot_dir::MEMORY_LAYER)) {
+        (Some(p), layer) if layer.is_file() => {
+            let file = vmm::layer::LayerFile::open(&layer)?;
+            match file.base() {
+                Some(b) if file.is_diff() && b == p.0.to_string() => {
+                    let source = DiffSource {
+                        base: store.layer(p, LayerKind::Memory)?,
+                        bitmap: file.flat_bitmap(),
+                        file,
+                    };
+                    let dirty = Dirty::Pages {
+                        bitmap: &source.bitmap,
+                        page_size: 4096,
+                    };
+                    w.put_layer(LayerKind::Memory, &source, &dirty, &bar)?
+                }
+                // A full layer (the VMM had no complete dirty set).
+                _ => w.put_layer(LayerKind::Memory, &FullSource(file), &Dirty::All, &bar)?,
+            }
+        }
+        _ => {
+            let memory = std::fs::File::open(dir.join(snapshot_dir::MEMORY))?;
+            w.put_layer(LayerKind::Memory, &memory, &Dirty::All, &bar)?
+        }
+    };
     for (i, d) in manifest.disks.iter().enumerate() {
         let disk = disk::Disk::open(&d.path, false)
             .with_context(|| format!("cannot read disk {}", d.path.display()))?;
@@ -327,6 +359,43 @@ fn store_snapshot(
     ))
 }
 
+/// A diff memory layer read as a whole image: the parent snapshot's
+/// memory (from the store) with the layer's pages over it. Only the
+/// windows holding dirty pages are read.
+struct DiffSource {
+    base: store::LayerView,
+    file: vmm::layer::LayerFile,
+    bitmap: Vec<u64>,
+}
+
+impl store::Source for DiffSource {
+    fn len(&self) -> u64 {
+        self.file.layout().len()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.base
+            .read_at(buf, offset)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        self.file
+            .overlay(buf, offset)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+}
+
+/// A full memory layer file read as an image.
+struct FullSource(vmm::layer::LayerFile);
+
+impl store::Source for FullSource {
+    fn len(&self) -> u64 {
+        self.0.layout().len()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.0
+            .read_at(buf, offset)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+}
+
 /// Writes committed snapshot `id` as a snapshot directory (once per host;
 /// later wakes reuse it) and returns the directory.
 fn materialize(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
@@ -337,6 +406,8 @@ fn materialize(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
     let info = store.snapshot(id)?;
     let mut manifest: Manifest = serde_json::from_str(&info.manifest)
         .with_context(|| format!("snapshot {id} has no vm manifest"))?;
+    // The memory is written out whole here, whatever layer it came from.
+    manifest.memory_layer = None;
     let tmp = store
         .dir()
         .join("wake")
@@ -422,6 +493,7 @@ fn materialize_lazy(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
     let info = store.snapshot(id)?;
     let mut manifest: Manifest = serde_json::from_str(&info.manifest)
         .with_context(|| format!("snapshot {id} has no vm manifest"))?;
+    manifest.memory_layer = None;
     let memory = store.layer(id, LayerKind::Memory)?;
     std::fs::File::create(tmp.join(snapshot_dir::MEMORY))?.set_len(memory.size())?;
     let bar = Bar::new();
@@ -555,7 +627,8 @@ pub fn wake(
     } else {
         let dir = materialize(&store, b.snapshot)?;
         crate::vm_cmds::RunArgs::restore(name, &dir, net)
-    };
+    }
+    .dirty_base(b.snapshot.0);
     let code = crate::vm_cmds::run(home, args)?;
     let vm = VmDir::new(home, name);
     if vm

@@ -60,6 +60,9 @@ pub struct RunArgs {
     /// With --from: page RAM in lazily from this store snapshot.
     #[arg(skip)]
     lazy_snapshot: Option<i64>,
+    /// Track dirty pages from the start, relative to this store snapshot.
+    #[arg(skip)]
+    dirty_base: Option<i64>,
 }
 
 impl RunArgs {
@@ -78,6 +81,16 @@ impl RunArgs {
             from: Some(from.into()),
             contract: None,
             lazy_snapshot: None,
+            dirty_base: None,
+        }
+    }
+
+    /// Its VMM tracks the pages the guest dirties from its first
+    /// instruction, relative to store snapshot `id` (what it restores).
+    pub fn dirty_base(self, id: i64) -> RunArgs {
+        RunArgs {
+            dirty_base: Some(id),
+            ..self
         }
     }
 
@@ -358,6 +371,9 @@ fn restore_command(
     }
     if m.vsock_cid.is_some() {
         cmd.arg("--vsock").arg(vm.vsock());
+    }
+    if let Some(id) = args.dirty_base {
+        cmd.arg("--dirty-base").arg(id.to_string());
     }
     if let Some(id) = args.lazy_snapshot {
         cmd.arg("--lazy-snapshot").arg(id.to_string());

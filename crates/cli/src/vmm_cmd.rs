@@ -79,6 +79,11 @@ pub struct VmmArgs {
     /// --lazy`).
     #[arg(long, hide = true, requires = "from")]
     lazy_snapshot: Option<i64>,
+    /// With --from: track dirty pages from the first instruction,
+    /// relative to this label (the store snapshot being restored), so the
+    /// next `tine sleep` stores only what changed.
+    #[arg(long, hide = true, requires = "from")]
+    dirty_base: Option<String>,
     /// Where a lazy wake writes the working set it records.
     #[arg(long, hide = true, requires = "lazy_snapshot")]
     working_set_out: Option<PathBuf>,
@@ -205,18 +210,24 @@ fn restore(
             prefetch,
             ..Default::default()
         };
-        return Ok(vmm::pagein::restore_lazy(
-            &config, &moment, source, options,
-        )?);
+        let mut vmm = vmm::pagein::restore_lazy(&config, &moment, source, options)?;
+        track_dirty(&mut vmm, args);
+        return Ok(vmm);
     }
     let mem =
         vmm::memory::map_file_private(&dir.join(vmm::snapshot_dir::MEMORY), &moment.ram_regions())?;
-    Ok(vmm::restore(
-        &config,
-        mem,
-        vmm::memory::RamBacking::Private,
-        &moment,
-    )?)
+    let mut vmm = vmm::restore(&config, mem, vmm::memory::RamBacking::Private, &moment)?;
+    track_dirty(&mut vmm, args);
+    Ok(vmm)
+}
+
+fn track_dirty(vmm: &mut vmm::Vmm, args: &VmmArgs) {
+    if let Some(base) = &args.dirty_base {
+        vmm.track_dirty(vmm::dirty::DirtyTracking {
+            enabled: true,
+            base: Some(base.clone()),
+        });
+    }
 }
 
 fn parse_disk(s: &str) -> DiskConfig {

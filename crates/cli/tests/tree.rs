@@ -80,7 +80,7 @@ fn test_sleep_then_wake_continues_exactly_and_a_branch_woken_twice_gives_two() {
     }
     let h = Home::new("tree-wake");
     memtouch(&h, "m", "256M");
-    let sum = ask(&h, "m", "touch 8 7", "TOUCHED");
+    let sum = ask(&h, "m", "touch 32 7", "TOUCHED");
     let out = h.ok(&["sleep", "m"]);
     assert!(out.contains("sleeping in snapshot"), "{out}");
     assert!(running(&h).is_empty(), "a sleeping branch has no vm");
@@ -90,7 +90,7 @@ fn test_sleep_then_wake_continues_exactly_and_a_branch_woken_twice_gives_two() {
 
     // Woken: the same memory, not a boot.
     h.ok(&["wake", "m"]);
-    assert_eq!(ask(&h, "m", "sum 8", "SUM"), sum);
+    assert_eq!(ask(&h, "m", "sum 32", "SUM"), sum);
     assert!(!console(&h, "m").contains("READY"), "woken, not booted");
     assert_eq!(branch_state(&tree(&h), "m"), "running");
     let again = h.out(&["wake", "m"]);
@@ -105,6 +105,14 @@ fn test_sleep_then_wake_continues_exactly_and_a_branch_woken_twice_gives_two() {
     assert!(
         s["parent"].is_i64(),
         "the second sleep is a child snapshot: {slept}"
+    );
+    // Only what was dirtied since the wake is stored (a diff layer from
+    // the dirty log): the 8 MiB touched, plus a few windows of the guest's
+    // own stack and buffers, not the 32 MiB the first snapshot holds.
+    let logical = s["memory_logical"].as_u64().expect("memory_logical");
+    assert!(
+        logical <= (8 << 20) + 8 * store::DEFAULT_WINDOW_SIZE,
+        "a sleep after a wake stores only the dirtied pages: {slept}"
     );
     h.ok(&["wake", "m", "--name", "a"]);
     h.ok(&["wake", "m", "--name", "b"]);
