@@ -332,3 +332,107 @@ fn test_a_lazy_wake_over_a_corrupted_chunk_ends_the_vm_naming_the_chunk() {
     );
     assert!(running(&h).is_empty());
 }
+
+/// An S3 server for one test (crates/store/tests/s3-server.sh: moto's
+/// server mode) with bucket `tine`, killed on drop; None if not installed
+/// (outside CI, where scripts/setup installs it).
+struct S3(std::process::Child, u16);
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn s3_server() -> Option<S3> {
+    use std::io::{Read, Write};
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../store/tests/s3-server.sh");
+    let installed = std::process::Command::new(script)
+        .arg("path")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !installed {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no S3 server installed in CI (scripts/setup installs it)"
+        );
+        eprintln!("!!!!!!!! S3 TEST SKIPPED: run `{script} install` !!!!!!!!");
+        return None;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let child = std::process::Command::new(script)
+        .args(["run", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the S3 server");
+    let server = S3(child, port);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut s = loop {
+        if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the S3 server did not listen");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    write!(
+        s,
+        "PUT /tine HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .expect("create bucket");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).expect("create bucket reply");
+    assert!(reply.starts_with("HTTP/1.1 200"), "CreateBucket: {reply}");
+    Some(server)
+}
+
+#[test]
+fn test_a_branch_sleeps_in_s3_and_wakes_lazily_with_an_empty_cache() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(s3) = s3_server() else { return };
+    let h = Home::new("tree-s3");
+    let env = [
+        ("TINE_STORE", "s3://tine/cli".to_string()),
+        ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{}", s3.1)),
+        ("AWS_ACCESS_KEY_ID", "tine".into()),
+        ("AWS_SECRET_ACCESS_KEY", "tine-secret".into()),
+        ("AWS_REGION", "us-east-1".into()),
+        ("AWS_ALLOW_HTTP", "1".into()),
+    ];
+    let tine = |args: &[&str]| -> String {
+        let out = h
+            .cmd(args)
+            .envs(env.iter().map(|(k, v)| (k, v.as_str())))
+            .output()
+            .expect("tine");
+        assert!(
+            out.status.success(),
+            "tine {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    memtouch(&h, "s", "256M");
+    let sum = ask(&h, "s", "touch 16 4", "TOUCHED");
+    tine(&["sleep", "s"]);
+    // Only the bucket has the chunks now.
+    let store = h.0.path().join("store");
+    for d in ["cache", "wake"] {
+        let _ = std::fs::remove_dir_all(store.join(d));
+    }
+    assert!(
+        !store.join("chunks").exists(),
+        "an S3 store keeps no local chunk directory"
+    );
+    tine(&["wake", "s", "--lazy"]);
+    assert_eq!(ask(&h, "s", "sum 16", "SUM"), sum);
+    let v = tine(&["store", "verify"]);
+    assert!(v.contains("0 missing, 0 corrupt"), "{v}");
+    h.ok(&["rm", "--force", "s"]);
+}
