@@ -2,10 +2,11 @@
 //!
 //! An owner is `BOOT_ID:PID:START` (the kernel's boot id, the process id
 //! and its start time in clock ticks, which together never name two
-//! processes). A lease is gone when its expiry time has passed or, on the
-//! host that took it, when that process no longer exists — so a writer
-//! killed with SIGKILL frees its lease at once on its own host, and after
-//! the TTL anywhere else.
+//! processes). On the host (and boot) that took it, a lease is gone
+//! exactly when that process no longer exists: a writer killed with
+//! SIGKILL frees its lease at once, and a slow but living one keeps it.
+//! Elsewhere (another host sharing the metadata, or an earlier boot) only
+//! the expiry time tells; holders renew it as they work.
 
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -71,22 +72,20 @@ pub fn pid_alive(pid: i32) -> bool {
     rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
-/// Whether the lease held by `owner` until `expires_ms` is gone: expired,
-/// or its process (on this boot of this host) has exited.
+/// Whether the lease held by `owner` until `expires_ms` is gone: its
+/// process (on this boot of this host) has exited, or, for an owner of
+/// another host or boot, the expiry time has passed.
 pub fn gone(owner: &str, expires_ms: i64) -> bool {
-    if now_ms() > expires_ms {
-        return true;
-    }
+    let expired = now_ms() > expires_ms;
     let mut parts = owner.split(':');
     let (Some(boot), Some(pid), Some(start)) = (parts.next(), parts.next(), parts.next()) else {
-        return false;
+        return expired;
     };
     if boot != boot_id() {
-        // Another host (or an earlier boot of this one): only time tells.
-        return false;
+        return expired;
     }
     let (Ok(pid), Ok(start)) = (pid.parse::<i32>(), start.parse::<u64>()) else {
-        return false;
+        return expired;
     };
     start_time(pid) != Some(start)
 }
@@ -97,10 +96,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn own_lease_is_live_until_it_expires() {
+    fn a_living_local_owner_keeps_its_lease_past_expiry() {
         let me = owner();
         assert!(!gone(&me, now_ms() + 60_000));
-        assert!(gone(&me, now_ms() - 1));
+        assert!(!gone(&me, now_ms() - 1));
+        // Another host's (or boot's) lease: only its expiry counts.
+        assert!(!gone("other-boot:1:1", now_ms() + 60_000));
+        assert!(gone("other-boot:1:1", now_ms() - 1));
+        assert!(gone("garbage", now_ms() - 1));
     }
 
     #[test]
@@ -110,8 +113,6 @@ mod tests {
         let o = owner_of(pid);
         child.wait().unwrap();
         assert!(gone(&o, now_ms() + 60_000), "{o}");
-        // Unknown boots count on the expiry alone.
-        assert!(!gone("other-boot:1:1", now_ms() + 60_000));
         assert!(pid_alive(std::process::id() as i32));
     }
 }

@@ -335,3 +335,78 @@ fn bad_configuration_and_input_are_refused() {
     let o = w.commit().unwrap();
     assert_layer(&s.layer(o, LayerKind::Disk(1)).unwrap(), &odd);
 }
+
+#[test]
+fn leases_of_other_hosts_hold_until_they_expire() {
+    let (_d, o) = opener("leases");
+    let s = o.open();
+    let meta = s.meta();
+    let now = store::lease::now_ms;
+    let other = |ms: i64| store::meta::Lease {
+        owner: "another-host-boot:1:1".into(),
+        expires_ms: now() + ms,
+    };
+    let gone = &store::lease::gone;
+
+    // A pending snapshot of a writer on another host: kept while its
+    // lease runs, reaped after.
+    let p = meta.begin_snapshot(None, "{}", &other(1500)).unwrap();
+    let l = meta
+        .add_layer(p, LayerKind::Memory, None, 4096, 4096)
+        .unwrap();
+    let x = ChunkId::of(b"x");
+    let pinned = meta
+        .pin(
+            p,
+            l,
+            &[store::meta::NewWindow {
+                index: 0,
+                entry: store::meta::Entry::Chunk(x),
+                stored_len: 10,
+                raw_len: 1,
+            }],
+            now() + 1500,
+            gone,
+        )
+        .unwrap();
+    assert!(matches!(pinned, store::meta::Pin::Pinned(ref v) if v == &[true]));
+    let r = s.gc(&GcOptions::default(), &NoProgress).unwrap();
+    assert!(r.pending_reaped.is_empty(), "{r:?}");
+    assert!(meta.chunks().unwrap().iter().any(|c| c.id == x));
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    let r = s.gc(&GcOptions::default(), &NoProgress).unwrap();
+    assert_eq!(r.pending_reaped, vec![p], "{r:?}");
+    assert!(!meta.chunks().unwrap().iter().any(|c| c.id == x));
+
+    // A gc on another host is deleting chunk y: a writer that needs y
+    // waits for that gc's lease, then takes y back and puts it again.
+    let mut win = vec![0u8; DEFAULT_WINDOW_SIZE as usize];
+    Rng(99).fill(&mut win);
+    let y = ChunkId::of(&win);
+    let mut w = s.begin(None, "{}").unwrap();
+    w.put_layer(LayerKind::Memory, win.as_slice(), &Dirty::All, &NoProgress)
+        .unwrap();
+    w.abort().unwrap();
+    let marked = meta.gc_mark(&other(1500), &[], gone).unwrap();
+    assert!(marked.iter().any(|(c, _)| *c == y), "{marked:?}");
+    // That gc deleted the object and then stalled (or died) before
+    // forgetting the row.
+    s.chunks().backend().delete(&y).unwrap();
+    let t = std::time::Instant::now();
+    let mut w = s.begin(None, "{}").unwrap();
+    w.put_layer(LayerKind::Memory, win.as_slice(), &Dirty::All, &NoProgress)
+        .unwrap();
+    let snap = w.commit().unwrap();
+    let waited = t.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(1000),
+        "{waited:?}"
+    );
+    assert_layer(&s.layer(snap, LayerKind::Memory).unwrap(), &win);
+    let v = s.verify(&NoProgress).unwrap();
+    assert!(v.is_ok(), "{v}");
+    // The other gc, late, forgets only rows it still owns: none.
+    meta.gc_forget("another-host-boot:1:1", &[y]).unwrap();
+    assert!(s.verify(&NoProgress).unwrap().is_ok());
+    assert_layer(&s.layer(snap, LayerKind::Memory).unwrap(), &win);
+}
