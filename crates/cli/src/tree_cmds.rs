@@ -397,35 +397,43 @@ impl store::Source for FullSource {
 }
 
 /// Writes committed snapshot `id` as a snapshot directory (once per host;
-/// later wakes reuse it) and returns the directory.
-fn materialize(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
-    let dir = store.dir().join("wake").join(id.0.to_string());
+/// later wakes reuse it) and returns the directory. For a lazy wake
+/// (`lazy`) its `memory` file is only a size (a hole): the VMM pages RAM
+/// in from the store instead.
+fn materialize(store: &Store, id: SnapshotId, lazy: bool) -> anyhow::Result<PathBuf> {
+    let name = if lazy {
+        format!("{}-lazy", id.0)
+    } else {
+        id.0.to_string()
+    };
+    let dir = store.dir().join("wake").join(&name);
     if dir.join(snapshot_dir::MANIFEST).is_file() {
         return Ok(dir);
     }
     let info = store.snapshot(id)?;
     let mut manifest: Manifest = serde_json::from_str(&info.manifest)
         .with_context(|| format!("snapshot {id} has no vm manifest"))?;
-    // The memory is written out whole here, whatever layer it came from.
+    // The memory is a plain file here, whatever layer it came from.
     manifest.memory_layer = None;
     let tmp = store
         .dir()
         .join("wake")
-        .join(format!("{}.tmp-{}", id.0, std::process::id()));
+        .join(format!("{name}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;
     let bar = Bar::new();
     let memory = store.layer(id, LayerKind::Memory)?;
     let f = std::fs::File::create(tmp.join(snapshot_dir::MEMORY))?;
     f.set_len(memory.size())?;
-    memory
-        .restore(&f, true, &bar)
-        .with_context(|| format!("cannot read the memory of snapshot {id}"))?;
-    f.sync_all()?;
+    if !lazy {
+        memory
+            .restore(&f, true, &bar)
+            .with_context(|| format!("cannot read the memory of snapshot {id}"))?;
+        f.sync_all()?;
+    }
     for (i, d) in manifest.disks.iter_mut().enumerate() {
         let kind = LayerKind::Disk(u32::try_from(i).context("too many disks")?);
         let layer = store.layer(id, kind)?;
-        let path = dir.join(format!("disk{i}.raw"));
         let f = std::fs::File::create(tmp.join(format!("disk{i}.raw")))?;
         f.set_len(layer.size())?;
         layer
@@ -433,7 +441,7 @@ fn materialize(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
             .with_context(|| format!("cannot read disk {i} of snapshot {id}"))?;
         f.sync_all()?;
         // The woken vm stacks its own top layer on the restored contents.
-        d.path = path;
+        d.path = dir.join(format!("disk{i}.raw"));
         d.frozen = true;
     }
     let state_bytes = store
@@ -474,61 +482,6 @@ fn working_set_pages(dir: &Path, manifest: &Manifest) -> Option<Vec<u64>> {
         }
     }
     Some(pages)
-}
-
-/// A snapshot directory for a lazy wake: manifest, state and disks as
-/// for [`materialize`], and a `memory` file that is only a size (a
-/// hole): the VMM pages RAM in from the store instead.
-fn materialize_lazy(store: &Store, id: SnapshotId) -> anyhow::Result<PathBuf> {
-    let dir = store.dir().join("wake").join(format!("{}-lazy", id.0));
-    if dir.join(snapshot_dir::MANIFEST).is_file() {
-        return Ok(dir);
-    }
-    let tmp = store
-        .dir()
-        .join("wake")
-        .join(format!("{}-lazy.tmp-{}", id.0, std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp)?;
-    let info = store.snapshot(id)?;
-    let mut manifest: Manifest = serde_json::from_str(&info.manifest)
-        .with_context(|| format!("snapshot {id} has no vm manifest"))?;
-    manifest.memory_layer = None;
-    let memory = store.layer(id, LayerKind::Memory)?;
-    std::fs::File::create(tmp.join(snapshot_dir::MEMORY))?.set_len(memory.size())?;
-    let bar = Bar::new();
-    for (i, d) in manifest.disks.iter_mut().enumerate() {
-        let kind = LayerKind::Disk(u32::try_from(i).context("too many disks")?);
-        let layer = store.layer(id, kind)?;
-        let f = std::fs::File::create(tmp.join(format!("disk{i}.raw")))?;
-        f.set_len(layer.size())?;
-        layer
-            .restore(&f, true, &bar)
-            .with_context(|| format!("cannot read disk {i} of snapshot {id}"))?;
-        f.sync_all()?;
-        d.path = dir.join(format!("disk{i}.raw"));
-        d.frozen = true;
-    }
-    let state_bytes = store
-        .blob(id, snapshot_dir::STATE)?
-        .with_context(|| format!("snapshot {id} has no vCPU and device state"))?;
-    std::fs::write(tmp.join(snapshot_dir::STATE), state_bytes)?;
-    // Whose moment it is: a woken branch continues its effects lineage.
-    if let Some(l) = store.blob(id, crate::effects_cmds::SNAPSHOT_LINEAGE)? {
-        std::fs::write(tmp.join(crate::effects_cmds::SNAPSHOT_LINEAGE), l)?;
-    }
-    std::fs::write(
-        tmp.join(snapshot_dir::MANIFEST),
-        serde_json::to_vec_pretty(&manifest)?,
-    )?;
-    match std::fs::rename(&tmp, &dir) {
-        Ok(()) => Ok(dir),
-        Err(_) if dir.join(snapshot_dir::MANIFEST).is_file() => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Ok(dir)
-        }
-        Err(e) => Err(e).with_context(|| format!("cannot create {}", dir.display())),
-    }
 }
 
 /// Serves a lazily woken vm's page faults from a memory layer of the
@@ -622,10 +575,10 @@ pub fn wake(
         bail!("a branch named {name:?} exists already; pick another --name");
     }
     let args = if lazy {
-        let dir = materialize_lazy(&store, b.snapshot)?;
+        let dir = materialize(&store, b.snapshot, true)?;
         crate::vm_cmds::RunArgs::restore_lazy(name, &dir, net, b.snapshot.0)
     } else {
-        let dir = materialize(&store, b.snapshot)?;
+        let dir = materialize(&store, b.snapshot, false)?;
         crate::vm_cmds::RunArgs::restore(name, &dir, net)
     }
     .dirty_base(b.snapshot.0);

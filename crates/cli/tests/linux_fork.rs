@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{kvm_available, Home, TempDir};
+use common::{kvm_available, Home};
 
 fn exec(h: &Home, vm: &str, script: &str) -> String {
     h.ok(&["exec", vm, "--", "sh", "-c", script])
@@ -20,18 +20,7 @@ fn test_fork_three_children_of_a_linux_guest_and_roll_back() {
     }
     let _serial = common::one_linux_test_at_a_time();
     let h = Home::new("linuxfork");
-    let dir = TempDir::new("linuxforkdisk");
-    let base = dir.path().join("base.raw");
-    std::fs::write(&base, vec![0u8; 32 << 20]).expect("base");
-    h.ok(&[
-        "run",
-        "--name",
-        "p",
-        "--mem",
-        "256M",
-        "--disk",
-        base.to_str().expect("utf8"),
-    ]);
+    let _disk = common::run_linux_with_disk(&h, "p", "linuxforkdisk");
     // A process that runs across the fork, a file in RAM (the initramfs
     // root), and a block on disk.
     let pid = exec(

@@ -65,6 +65,22 @@ fn branch_state(t: &serde_json::Value, name: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Flips a byte in the middle of every chunk of the local store.
+fn corrupt_every_chunk(h: &Home) {
+    let chunks = h.0.path().join("store").join("chunks");
+    let mut n = 0;
+    for dir in std::fs::read_dir(&chunks).expect("chunks dir").flatten() {
+        for f in std::fs::read_dir(dir.path()).expect("chunk dir").flatten() {
+            let mut b = std::fs::read(f.path()).expect("chunk");
+            let mid = b.len() / 2;
+            b[mid] ^= 0x5a;
+            std::fs::write(f.path(), b).expect("corrupt");
+            n += 1;
+        }
+    }
+    assert!(n > 0, "no chunk files under {}", chunks.display());
+}
+
 fn running(h: &Home) -> Vec<String> {
     h.ls()
         .iter()
@@ -194,19 +210,7 @@ fn test_a_corrupted_chunk_fails_the_wake_and_verify_names_it() {
     memtouch(&h, "c", "128M");
     ask(&h, "c", "touch 4 3", "TOUCHED");
     h.ok(&["sleep", "c"]);
-    // Flip bytes in the middle of every stored chunk.
-    let chunks = h.0.path().join("store").join("chunks");
-    let mut n = 0;
-    for dir in std::fs::read_dir(&chunks).expect("chunks dir").flatten() {
-        for f in std::fs::read_dir(dir.path()).expect("chunk dir").flatten() {
-            let mut b = std::fs::read(f.path()).expect("chunk");
-            let mid = b.len() / 2;
-            b[mid] ^= 0x5a;
-            std::fs::write(f.path(), b).expect("corrupt");
-            n += 1;
-        }
-    }
-    assert!(n > 0, "no chunk files under {}", chunks.display());
+    corrupt_every_chunk(&h);
     let v = h.out(&["store", "verify"]);
     assert!(!v.status.success(), "verify fails on a corrupted store");
     let text = String::from_utf8_lossy(&v.stdout);
@@ -308,15 +312,7 @@ fn test_a_lazy_wake_over_a_corrupted_chunk_ends_the_vm_naming_the_chunk() {
     memtouch(&h, "z", "128M");
     ask(&h, "z", "touch 4 3", "TOUCHED");
     h.ok(&["sleep", "z"]);
-    let chunks = h.0.path().join("store").join("chunks");
-    for dir in std::fs::read_dir(&chunks).expect("chunks dir").flatten() {
-        for f in std::fs::read_dir(dir.path()).expect("chunk dir").flatten() {
-            let mut b = std::fs::read(f.path()).expect("chunk");
-            let mid = b.len() / 2;
-            b[mid] ^= 0x5a;
-            std::fs::write(f.path(), b).expect("corrupt");
-        }
-    }
+    corrupt_every_chunk(&h);
     // The wake may report the VMM up before the first fault ends it.
     let _ = h.out(&["wake", "z", "--lazy"]);
     let exit = h.0.path().join("vms").join("z").join("exit.json");

@@ -790,3 +790,21 @@ impl Drop for Home {
         }
     }
 }
+
+/// Starts Linux vm `name` (256 MiB) with a new zeroed 32 MiB raw base
+/// disk as /dev/vda; the returned directory holds the base.
+pub fn run_linux_with_disk(h: &Home, name: &str, tag: &str) -> TempDir {
+    let dir = TempDir::new(tag);
+    let base = dir.path().join("base.raw");
+    std::fs::write(&base, vec![0u8; 32 << 20]).expect("base");
+    h.ok(&[
+        "run",
+        "--name",
+        name,
+        "--mem",
+        "256M",
+        "--disk",
+        base.to_str().expect("utf8"),
+    ]);
+    dir
+}
