@@ -63,3 +63,18 @@ pub use store::{
     Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport, BACKEND_ENV,
     DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE,
 };
+
+#[cfg(test)]
+mod tests {
+    /// What the CLI and the VMM move between threads and into anyhow.
+    #[test]
+    fn public_types_are_send_and_sync() {
+        fn check<T: Send + Sync + 'static>() {}
+        check::<crate::Store>();
+        check::<crate::LayerView>();
+        check::<crate::SnapshotWriter>();
+        check::<crate::StoreError>();
+        check::<crate::Tree>();
+        check::<crate::VerifyReport>();
+    }
+}
