@@ -185,11 +185,14 @@ fn s3_layer_chain_round_trip() {
 }
 
 #[test]
-fn s3_ten_siblings_of_a_1gib_parent_share_it() {
+fn s3_ten_siblings_of_a_256mib_parent_share_it() {
+    // The 1 GiB case runs on the local backend (tests/local.rs); sharing is
+    // decided in the tree, the same for both backends, and moto (one Python
+    // process) takes ~1 min per GiB put: a quarter keeps CI short.
     let Some((_srv, _d, o)) = setup("siblings") else {
         return;
     };
-    let ratio = common::ten_siblings(&o, 1 << 30);
+    let ratio = common::ten_siblings(&o, 256 << 20);
     println!("dedup ratio (stored / logical of parent + 10 x 8 MiB): {ratio:.3}");
 }
 
