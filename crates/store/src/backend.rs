@@ -115,6 +115,48 @@ impl LocalBackend {
         Ok(total)
     }
 
+    /// Removes chunk files, least recently used first (by mtime: a
+    /// cache hit touches it), until at most `max_bytes` remain; returns
+    /// (files, bytes) removed. For a cache: the backend still has them.
+    pub fn trim(&self, max_bytes: u64) -> Result<(u64, u64), BackendError> {
+        let mut files: Vec<(SystemTime, u64, PathBuf)> = Vec::new();
+        let mut total = 0;
+        self.walk(|path, meta| {
+            let is_chunk = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| !n.starts_with('.'));
+            if is_chunk && meta.is_file() {
+                total += meta.len();
+                let t = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                files.push((t, meta.len(), path.to_path_buf()));
+            }
+        })?;
+        files.sort();
+        let (mut n, mut bytes) = (0, 0);
+        for (_, len, path) in files {
+            if total <= max_bytes {
+                break;
+            }
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&path)(e)),
+            }
+            total -= len;
+            n += 1;
+            bytes += len;
+        }
+        Ok((n, bytes))
+    }
+
+    /// Marks `id` as just used (for [`LocalBackend::trim`]); best effort.
+    pub fn touch(&self, id: &ChunkId) {
+        if let Ok(f) = File::options().write(true).open(self.path_of(id)) {
+            let _ = f.set_modified(SystemTime::now());
+        }
+    }
+
     fn walk(&self, mut f: impl FnMut(&Path, &fs::Metadata)) -> Result<(), BackendError> {
         for dir in read_dir(&self.root)? {
             let dir = dir.map_err(io_err(&self.root))?;

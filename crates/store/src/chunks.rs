@@ -117,6 +117,7 @@ impl Chunks {
                 Ok(Some(b)) => match chunk::decode(id, &b, limit) {
                     Ok(d) => {
                         self.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+                        c.touch(id);
                         return Ok(d);
                     }
                     Err(e) => {

@@ -448,6 +448,24 @@ impl Store {
         self.inner.chunks.counters()
     }
 
+    /// Shrinks the local chunk cache (remote backends only) to at most
+    /// `max_bytes`, least recently used first; returns (files, bytes)
+    /// removed. Without a cache: (0, 0).
+    pub fn trim_cache(&self, max_bytes: u64) -> Result<(u64, u64), StoreError> {
+        match self.inner.chunks.cache() {
+            Some(c) => Ok(c.trim(max_bytes)?),
+            None => Ok((0, 0)),
+        }
+    }
+
+    /// Bytes the local chunk cache holds (0 without one).
+    pub fn cache_bytes(&self) -> Result<u64, StoreError> {
+        match self.inner.chunks.cache() {
+            Some(c) => Ok(c.disk_bytes()?),
+            None => Ok(0),
+        }
+    }
+
     pub(crate) fn threads(&self) -> usize {
         self.inner.threads
     }

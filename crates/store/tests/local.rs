@@ -148,6 +148,28 @@ fn remote_backend_reads_through_a_verified_cache() {
         "prefetched windows read from the cache"
     );
 
+    // Trimming the cache keeps it under its budget, least recently used
+    // first; reads still work.
+    assert_layer(&v, &img); // the whole layer in the cache
+    let full = s.cache_bytes().unwrap();
+    let last = (0..v.windows())
+        .find(|&i| matches!(v.window(i), Some(Window::Chunk { .. })))
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    v.read_window(last, &mut buf).unwrap(); // used last
+    let (n, freed) = s.trim_cache(full / 2).unwrap();
+    assert!(n > 0 && freed > 0, "{n} {freed} of {full}");
+    assert!(s.cache_bytes().unwrap() <= full / 2);
+    let before = s.counters().backend_reads;
+    v.read_window(wanted[0], &mut buf).unwrap();
+    assert_eq!(
+        s.counters().backend_reads,
+        before,
+        "the last used chunk was kept"
+    );
+    assert_layer(&v, &img);
+    assert!(s.counters().backend_reads > before);
+
     // A corrupt remote copy is an error naming the chunk.
     std::fs::remove_dir_all(cache.root()).unwrap();
     let bad = in_remote[1];
