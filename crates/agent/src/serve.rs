@@ -201,14 +201,17 @@ fn wait_for_close<C: Connection>(conn: &C, limit: Duration) {
 }
 
 fn shutdown(on_shutdown: OnShutdown) {
-    // SAFETY: sync(2) takes no arguments and cannot fail.
-    unsafe { libc::sync() };
     match on_shutdown {
         OnShutdown::Exit => {
+            // No sync: exiting loses nothing, and on a host (where the agent
+            // runs with --exit-on-shutdown) sync(2) would flush every
+            // filesystem of the machine first.
             eprintln!("tine-agent: shutdown requested, exiting");
             std::process::exit(0);
         }
         OnShutdown::PowerOff => {
+            // SAFETY: sync(2) takes no arguments and cannot fail.
+            unsafe { libc::sync() };
             eprintln!("tine-agent: shutdown requested, powering off");
             // SAFETY: reboot(2) with a valid command; on success it does not
             // return, on failure we only log.
