@@ -622,22 +622,21 @@ pub fn fork_sleeping(
 
 /// Whether `name` is a sleeping branch of this host's store (and not a vm).
 pub fn is_sleeping(home: &Path, name: &str) -> bool {
-    if VmDir::new(home, name).exists() || !store_exists(home) {
-        return false;
-    }
-    open(home)
-        .ok()
-        .and_then(|s| s.branch(name).ok().flatten())
-        .is_some_and(|b| b.state == BranchState::Sleeping)
+    !VmDir::new(home, name).exists()
+        && branch_row(home, name).is_some_and(|b| b.state == BranchState::Sleeping)
 }
 
 /// Whether this host's store knows a branch `name` (in any state).
 pub fn has_branch(home: &Path, name: &str) -> bool {
-    store_exists(home)
-        && open(home)
-            .ok()
-            .and_then(|s| s.branch(name).ok().flatten())
-            .is_some()
+    branch_row(home, name).is_some()
+}
+
+/// Branch `name` of this host's store, if there is a store and it has one.
+fn branch_row(home: &Path, name: &str) -> Option<store::BranchRow> {
+    if !store_exists(home) {
+        return None;
+    }
+    open(home).ok()?.branch(name).ok().flatten()
 }
 
 fn store_exists(home: &Path) -> bool {
