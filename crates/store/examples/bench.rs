@@ -1,4 +1,4 @@
-//! The storage half of bench/store (run it through `bench/store`).
+//! The store crate alone, for bench/store-chunks (run it through `bench/store-chunks`).
 //!
 //!   cargo run --release -p tine-store --example bench -- [--quick] [--s3 ENDPOINT]
 //!
