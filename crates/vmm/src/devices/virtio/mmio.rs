@@ -142,6 +142,10 @@ pub struct MmioState {
     pub config_generation: u32,
     pub interrupt_status: u32,
     pub queues: Vec<QueueRegs>,
+    /// What the device behind the transport keeps besides its queues
+    /// ([`VirtioDevice::save_extra`]); absent in older snapshots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<serde_json::Value>,
 }
 
 /// A virtio device behind a virtio-mmio register window.
@@ -255,8 +259,10 @@ impl MmioTransport {
                 regs
             })
             .collect();
+        let device = dev.save_extra();
         drop(dev);
         MmioState {
+            device,
             device_type: self.device_type,
             device_status: self.device_status,
             features_select: self.features_select,
@@ -309,6 +315,11 @@ impl MmioTransport {
             )));
         }
         lock(&self.device).set_acked_features(state.acked_features);
+        if let Some(extra) = &state.device {
+            lock(&self.device)
+                .restore_extra(extra)
+                .map_err(MmioError::State)?;
+        }
         let running = VIRTIO_CONFIG_S_DRIVER_OK | VIRTIO_CONFIG_S_FEATURES_OK;
         if self.device_status & running == running
             && self.device_status & (VIRTIO_CONFIG_S_NEEDS_RESET | VIRTIO_CONFIG_S_FAILED) == 0

@@ -148,6 +148,16 @@ pub trait VirtioDevice: Send {
     /// the device is new (another process, other sockets), so a device
     /// whose guest state refers to host connections tells the driver here.
     fn restored(&mut self) {}
+    /// Device state beyond the transport's registers and queues, saved
+    /// with the moment (most devices have none).
+    fn save_extra(&self) -> Option<serde_json::Value> {
+        None
+    }
+    /// Takes back what [`VirtioDevice::save_extra`] gave, before the
+    /// device is activated; a value it cannot read is an error.
+    fn restore_extra(&mut self, _extra: &serde_json::Value) -> Result<(), String> {
+        Ok(())
+    }
     /// Handles a driver reset; returns false if the device cannot be reset
     /// (the transport then marks it as needing a reset).
     fn reset(&mut self) -> bool {

@@ -334,4 +334,25 @@ impl VirtioDevice for Vsock {
     fn restored(&mut self) {
         self.reset_pending = true;
     }
+
+    fn save_extra(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(VsockState {
+            next_local_port: self.muxer.next_local_port(),
+        })
+        .ok()
+    }
+
+    fn restore_extra(&mut self, extra: &serde_json::Value) -> Result<(), String> {
+        let s: VsockState = serde_json::from_value(extra.clone())
+            .map_err(|e| format!("vsock state {extra}: {e}"))?;
+        self.muxer.set_next_local_port(s.next_local_port);
+        Ok(())
+    }
+}
+
+/// The vsock's own saved state: where host port numbering continues
+/// ([`VsockMuxer::set_next_local_port`] says why).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct VsockState {
+    next_local_port: u32,
 }

@@ -836,3 +836,49 @@ fn test_vsock_concurrent_connections_stay_separate() {
     assert_eq!(rig.expect_one().op, OP_RST);
     assert_eq!(rig.conns(), 0);
 }
+
+/// A continuation (fork child, restore) numbers host ports on from the
+/// saved moment: its guest may still hold sockets of the parent's
+/// connections, and an OP_REQUEST matching one would be dropped or reset
+/// (seen as exec failures into fresh fork children).
+#[test]
+fn test_vsock_restored_device_never_reuses_a_saved_host_port() {
+    let mem = new_mem();
+    let mut parent = Rig::new(&mem);
+    parent.post_rx_all();
+    let (mut used, mut open) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let mut host = UnixStream::connect(&parent.uds).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        used.push(host_handshake(&mut parent, &mut host, 10000));
+        open.push(host);
+    }
+    let saved = parent
+        .dev
+        .lock()
+        .unwrap()
+        .save_extra()
+        .expect("vsock state");
+    drop(parent);
+
+    let mem2 = new_mem();
+    let mut child = Rig::new(&mem2);
+    child.dev.lock().unwrap().restore_extra(&saved).unwrap();
+    child.post_rx_all();
+    let mut host = UnixStream::connect(&child.uds).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let port = host_handshake(&mut child, &mut host, 10000);
+    assert!(
+        used.iter().all(|&p| port > p),
+        "the restored device's first port {port} follows the saved ones {used:?}"
+    );
+
+    // Saved state that is not the vsock's is refused, not guessed at.
+    let err = child
+        .dev
+        .lock()
+        .unwrap()
+        .restore_extra(&serde_json::json!({"next_local_port": "x"}))
+        .unwrap_err();
+    assert!(err.contains("vsock state"), "{err}");
+}

@@ -218,6 +218,21 @@ impl VsockMuxer {
         }
     }
 
+    /// The host port the next host-initiated connection will use.
+    pub fn next_local_port(&self) -> u32 {
+        self.next_local_port
+    }
+
+    /// Continues host port numbering from a saved moment. The guest may
+    /// still hold sockets of connections made before the moment (closing
+    /// ones linger up to 8 s in Linux, and a transport reset marks open
+    /// ones closed without dropping them), and a new OP_REQUEST that
+    /// matched one would be dropped or answered with a reset. Numbering
+    /// on from where the saved muxer stopped never reuses such a port.
+    pub fn set_next_local_port(&mut self, port: u32) {
+        self.next_local_port = port.max(EPHEMERAL_PORT_BASE);
+    }
+
     /// The host listening socket.
     pub fn listener(&self) -> &UnixListener {
         &self.listener
