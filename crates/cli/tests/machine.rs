@@ -8,6 +8,7 @@ use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 fn tine(home: &Path) -> Command {
@@ -28,6 +29,20 @@ fn run(home: &Path, args: &[&str]) -> Output {
     })
 }
 
+/// Set when a call timed out while the nested host's kernel was stuck:
+/// QEMU's emulated SVM (TCG) occasionally soft-locks or panics the nested
+/// kernel (testhost/README.md); that is the emulator, not `tine machine`.
+static EMULATOR_FAULT: AtomicBool = AtomicBool::new(false);
+
+/// What the nested kernel prints when the emulator, not the code under
+/// test, stopped it.
+const EMULATOR_FAULT_SIGNS: [&str; 4] = [
+    "soft lockup",
+    "rcu_preempt detected stalls",
+    "rcu: INFO: rcu_sched",
+    "Kernel panic",
+];
+
 /// `run` that returns the report instead of panicking (for Drop).
 fn try_run(home: &Path, args: &[&str]) -> Result<Output, String> {
     let t0 = Instant::now();
@@ -46,6 +61,11 @@ fn try_run(home: &Path, args: &[&str]) -> Result<Output, String> {
         }
         Err(mut t) => {
             t.what = format!("tine {}", common::show_args(args));
+            let console =
+                std::fs::read_to_string(home.join("machine/run/console.log")).unwrap_or_default();
+            if EMULATOR_FAULT_SIGNS.iter().any(|s| console.contains(s)) {
+                EMULATOR_FAULT.store(true, Ordering::SeqCst);
+            }
             Err(format!(
                 "{t}{}--- end of the report ---",
                 machine_logs(home)
@@ -135,11 +155,34 @@ fn pid(st: &serde_json::Value, key: &str) -> u64 {
     st[key].as_u64().unwrap_or_else(|| panic!("{key} in {st}"))
 }
 
+/// Runs the whole test again, once, in a fresh machine when the first
+/// attempt failed because the nested kernel got stuck (soft lockup, RCU
+/// stall, panic: seen once in CI during `tine stop inner`). Any other
+/// failure fails at once.
 #[test]
 fn machine_start_exec_stale_stop() {
     let agent = build_agent();
     std::env::set_var("TINE_AGENT", &agent);
-    let home = std::env::temp_dir().join(format!("tine-machine-test-{}", std::process::id()));
+    for attempt in 1..=2 {
+        EMULATOR_FAULT.store(false, Ordering::SeqCst);
+        match std::panic::catch_unwind(|| one_attempt(attempt)) {
+            Ok(()) => return,
+            Err(e) if attempt == 1 && EMULATOR_FAULT.load(Ordering::SeqCst) => {
+                common::progress(&format!(
+                    "RETRY: the nested host's kernel got stuck (its console above shows a soft lockup, RCU stall or panic: the emulator, not tine); running the test again in a fresh machine. First failure: {}",
+                    e.downcast_ref::<String>().map(String::as_str).unwrap_or("(panic)")
+                ));
+            }
+            Err(e) => std::panic::resume_unwind(e),
+        }
+    }
+}
+
+fn one_attempt(attempt: u32) {
+    let home = std::env::temp_dir().join(format!(
+        "tine-machine-test-{}-{attempt}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&home).expect("home");
     let machine = Machine(home.clone());
     let home = machine.0.as_path();
