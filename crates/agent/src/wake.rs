@@ -214,7 +214,44 @@ fn ioctl_random(req: libc::c_ulong, arg: *const libc::c_void, what: &str) -> Res
 /// noise and stop replaying like its siblings. A fresh seed restarts the
 /// interval, and a child's clock (virtual time) continues from here.
 pub fn reseed_crng() -> Result<(), String> {
-    ioctl_random(RNDRESEEDCRNG, std::ptr::null(), "RNDRESEEDCRNG")
+    ioctl_random(RNDRESEEDCRNG, std::ptr::null(), "RNDRESEEDCRNG")?;
+    note_reseed();
+    Ok(())
+}
+
+/// When this agent last reseeded the CRNG, in CLOCK_MONOTONIC ns (0: never).
+/// A child inherits it with the agent's memory, so its wake can say how
+/// old its seed is in guest time: past the kernel's reseed interval, a
+/// reproducible child reseeds on its own and stops matching its siblings.
+static RESEEDED_AT_NS: AtomicU64 = AtomicU64::new(0);
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we pass and keeps nothing.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+fn note_reseed() {
+    RESEEDED_AT_NS.store(monotonic_ns(), Ordering::Relaxed);
+}
+
+/// "seed 2.31 s old" in guest time, or "" when this agent never reseeded.
+fn seed_age() -> String {
+    match RESEEDED_AT_NS.load(Ordering::Relaxed) {
+        0 => String::new(),
+        at => format!(
+            "; CRNG seed {:.2} s old",
+            monotonic_ns().saturating_sub(at) as f64 / 1e9
+        ),
+    }
 }
 
 /// Mixes `bytes` into the kernel's input pool, credited as `8 * len` bits.
@@ -255,15 +292,16 @@ fn randomness(w: &Wake, ctx: &Ctx) -> StepResult {
         )));
     }
     add_entropy(&bytes)?;
+    let age = seed_age();
     match w.randomness {
         Randomness::Secure => {
-            ioctl_random(RNDRESEEDCRNG, std::ptr::null(), "RNDRESEEDCRNG")?;
+            reseed_crng()?;
             Ok(Done::Ok(format!(
-                "secure: {n} bytes mixed in (RNDADDENTROPY), CRNG reseeded (RNDRESEEDCRNG); {vmgenid}"
+                "secure: {n} bytes mixed in (RNDADDENTROPY), CRNG reseeded (RNDRESEEDCRNG){age}; {vmgenid}"
             )))
         }
         Randomness::Reproducible => Ok(Done::Ok(format!(
-            "reproducible: {n}-byte seed mixed in (RNDADDENTROPY), no reseed{seed_note}; {vmgenid}"
+            "reproducible: {n}-byte seed mixed in (RNDADDENTROPY), no reseed{seed_note}{age}; {vmgenid}"
         ))),
     }
 }

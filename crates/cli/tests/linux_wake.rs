@@ -402,6 +402,11 @@ fn test_reproducible_children_share_one_seed_and_virtual_time_and_a_restored_clo
         .filter(|w| w["role"] == "child")
         .inspect(|w| {
             let detail = w["report"]["steps"][0]["detail"].as_str().unwrap_or("");
+            eprintln!(
+                "{}: {} {detail}",
+                w["name"].as_str().unwrap_or("?"),
+                w["report"]["sample_hex"].as_str().unwrap_or("")
+            );
             assert!(
                 detail.contains("reproducible") && !detail.contains("RNDRESEEDCRNG"),
                 "a reproducible child is not reseeded: {detail}"
