@@ -268,17 +268,20 @@ fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             json,
         } => home().and_then(|h| {
             if tree_cmds::is_sleeping(&h, &name) {
-                anyhow::ensure!(
-                    contract.is_none() && !json,
-                    "--contract and --json are not supported for a sleeping branch yet"
-                );
                 let names: Vec<String> = match names {
                     Some(n) => n.split(',').map(str::to_string).collect(),
                     None => (1..=count.unwrap_or(1))
                         .map(|i| format!("{name}-{i}"))
                         .collect(),
                 };
-                return tree_cmds::fork_sleeping(&h, &name, &names, false);
+                return tree_cmds::fork_sleeping(
+                    &h,
+                    &name,
+                    &names,
+                    false,
+                    contract.as_deref(),
+                    json,
+                );
             }
             fork_cmds::fork(&h, &name, count, names, contract.as_deref(), json)
         }),

@@ -555,6 +555,33 @@ pub fn wake(
     net: bool,
     lazy: bool,
 ) -> anyhow::Result<ExitCode> {
+    let s = wake_branch(home, branch, name, net, lazy, None)?;
+    let what = if s.wake.is_some() {
+        "agent answered"
+    } else {
+        "VMM running"
+    };
+    println!("{}: {what} in {:.0} ms (pid {})", s.name, s.ready_ms, s.pid);
+    for p in &s.problems {
+        eprintln!("tine: {p}");
+    }
+    Ok(if s.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// [`wake`] without printing, with an optional fork contract over the
+/// snapshot's own.
+fn wake_branch(
+    home: &Path,
+    branch: &str,
+    name: Option<&str>,
+    net: bool,
+    lazy: bool,
+    contract: Option<&Path>,
+) -> anyhow::Result<crate::vm_cmds::Started> {
     let store = open(home)?;
     let b = store
         .branch(branch)?
@@ -581,8 +608,9 @@ pub fn wake(
         let dir = materialize(&store, b.snapshot, false)?;
         crate::vm_cmds::RunArgs::restore(name, &dir, net)
     }
-    .dirty_base(b.snapshot.0);
-    let code = crate::vm_cmds::run(home, args)?;
+    .dirty_base(b.snapshot.0)
+    .contract(contract);
+    let started = crate::vm_cmds::start(home, args)?;
     let vm = VmDir::new(home, name);
     if vm
         .read_record()
@@ -599,25 +627,60 @@ pub fn wake(
             store.create_branch(name, b.snapshot, BranchState::Running)?;
         }
     }
-    Ok(code)
+    Ok(started)
 }
 
-/// `tine fork BRANCH -n K` of a sleeping branch: K new branches wake from
-/// its snapshot (they share its materialized memory file).
+/// `tine fork BRANCH -n K [--contract FILE] [--json]` of a sleeping
+/// branch: K new branches wake from its snapshot, one after another (they
+/// share its materialized memory file). An invalid contract is refused
+/// before any of them starts; a copy that fails to start stops the fork
+/// with the ones started so far left running.
 pub fn fork_sleeping(
     home: &Path,
     branch: &str,
     names: &[String],
     net: bool,
+    contract: Option<&Path>,
+    json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let mut code = ExitCode::SUCCESS;
+    if let Some(f) = contract {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read the contract {}", f.display()))?;
+        contract::Contract::parse(&text)
+            .with_context(|| format!("in {}; nothing was woken", f.display()))?;
+    }
+    let t0 = std::time::Instant::now();
+    let mut copies = Vec::with_capacity(names.len());
     for n in names {
-        let c = wake(home, branch, Some(n), net, false)?;
-        if c != ExitCode::SUCCESS {
-            code = c;
+        let s = wake_branch(home, branch, Some(n), net, false, contract)?;
+        if !json {
+            println!(
+                "{}: woke from {branch} in {:.0} ms (pid {})",
+                s.name, s.ready_ms, s.pid
+            );
+        }
+        copies.push(s);
+    }
+    let problems: Vec<&String> = copies.iter().flat_map(|c| &c.problems).collect();
+    if json {
+        let v = serde_json::json!({
+            "branch": branch,
+            "names": names,
+            "total_ms": t0.elapsed().as_secs_f64() * 1000.0,
+            "copies": copies,
+            "problems": problems,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        for p in &problems {
+            eprintln!("tine: {p}");
         }
     }
-    Ok(code)
+    Ok(if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// Whether `name` is a sleeping branch of this host's store (and not a vm).

@@ -85,6 +85,14 @@ impl RunArgs {
         }
     }
 
+    /// With a fork contract over the snapshot's own (`--contract`).
+    pub fn contract(self, file: Option<&Path>) -> RunArgs {
+        RunArgs {
+            contract: file.map(Path::to_path_buf),
+            ..self
+        }
+    }
+
     /// Its VMM tracks the pages the guest dirties from its first
     /// instruction, relative to store snapshot `id` (what it restores).
     pub fn dirty_base(self, id: i64) -> RunArgs {
@@ -117,8 +125,40 @@ impl RunArgs {
 /// (`vms/NAME/working-set.json`); its next sleep stores it.
 pub const WORKING_SET: &str = "working-set.json";
 
+/// A vm `start` made ready.
+#[derive(Debug, serde::Serialize)]
+pub struct Started {
+    pub name: String,
+    pub pid: u32,
+    /// From the start of the command to ready (agent answered or VMM up).
+    pub ready_ms: f64,
+    /// Its wake-up step (None: a micro guest, no agent).
+    pub wake: Option<crate::wake::Woken>,
+    /// Failed wake steps and other trouble that does not stop the vm.
+    pub problems: Vec<String>,
+}
+
 /// `tine run`: starts the VMM detached and waits for the agent.
 pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
+    let s = start(home, args)?;
+    let what = if s.wake.is_some() {
+        "agent answered"
+    } else {
+        "VMM running"
+    };
+    println!("{}: {what} in {:.0} ms (pid {})", s.name, s.ready_ms, s.pid);
+    for p in &s.problems {
+        eprintln!("tine: {p}");
+    }
+    Ok(if s.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Starts the VMM detached, waits for it (and the agent) and wakes the vm.
+pub fn start(home: &Path, args: RunArgs) -> anyhow::Result<Started> {
     state::validate_name(&args.name)?;
     let vm = VmDir::new(home, &args.name);
     if vm.exists() {
@@ -286,6 +326,7 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     // Wake-up: a booted vm takes its identity; a restored one becomes a
     // new copy. It is ready only once that is done.
     let mut problems = Vec::new();
+    let mut wake = None;
     if agent {
         let role = if manifest.is_some() {
             Role::Restored
@@ -316,27 +357,17 @@ pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
             let _ = kill_quietly(&record);
             bail!("vm {:?} was stopped: {}", args.name, problems.join("; "));
         }
+        wake = Some(woken);
     }
-    let what = if agent {
-        "agent answered"
-    } else {
-        "VMM running"
-    };
-    println!(
-        "{}: {what} in {:.0} ms (pid {pid})",
-        args.name,
-        started.elapsed().as_secs_f64() * 1000.0
-    );
     // The VMM is not our child to wait for: it is reparented when we exit.
     std::mem::forget(child);
     problems.extend(gateway_problem);
-    for p in &problems {
-        eprintln!("tine: {p}");
-    }
-    Ok(if problems.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
+    Ok(Started {
+        name: args.name.clone(),
+        pid,
+        ready_ms: started.elapsed().as_secs_f64() * 1000.0,
+        wake,
+        problems,
     })
 }
 

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{kvm_available, Home};
+use common::{kvm_available, Home, TempDir};
 
 fn console(h: &Home, vm: &str) -> String {
     std::fs::read_to_string(h.0.path().join("vms").join(vm).join("console.log")).unwrap_or_default()
@@ -147,8 +147,37 @@ fn test_sleep_then_wake_continues_exactly_and_a_branch_woken_twice_gives_two() {
     assert_eq!(branch_state(&t, "b"), "running");
     assert_eq!(branch_state(&t, "m"), "sleeping");
 
-    // A sleeping branch forks into new branches.
-    h.ok(&["fork", "m", "--names", "f1,f2"]);
+    // A sleeping branch forks into new branches; an invalid contract is
+    // refused before any of them wakes; --json reports each copy.
+    let files = TempDir::new("treecontract");
+    let bad = files.path().join("bad.toml");
+    std::fs::write(&bad, "randomness = \"sometimes\"\n").expect("write");
+    let out = h.out(&[
+        "fork",
+        "m",
+        "--names",
+        "f1,f2",
+        "--contract",
+        bad.to_str().expect("utf8"),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("nothing was woken"),
+        "{err}"
+    );
+    assert!(!h.ok(&["ls"]).contains("f1"), "no copy woke");
+    let out = h.ok(&["fork", "m", "--names", "f1,f2", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("fork json");
+    assert_eq!(v["branch"], "m", "{v}");
+    assert_eq!(v["problems"], serde_json::json!([]), "{v}");
+    let copies = v["copies"].as_array().expect("copies");
+    assert_eq!(copies.len(), 2, "{v}");
+    assert!(
+        copies
+            .iter()
+            .all(|c| c["pid"].as_u64().is_some() && c["ready_ms"].as_f64().is_some()),
+        "{v}"
+    );
     assert_eq!(ask(&h, "f2", "sum 8", "SUM"), sum8);
     let v = h.ok(&["store", "verify"]);
     assert!(v.contains("0 missing, 0 corrupt"), "{v}");
