@@ -103,6 +103,12 @@ pub fn quiesce(timeout_ms: u64, sandbox: bool) -> QuiesceReport {
     let deadline = t + Duration::from_millis(timeout_ms);
     let mut st = state();
     if let Some(f) = &mut st.frozen {
+        // Still a new moment: its copies' seed age counts from here.
+        if !sandbox {
+            if let Err(e) = crate::wake::reseed_crng() {
+                eprintln!("tine-agent: {e} (reproducible children may diverge)");
+            }
+        }
         f.deadline = deadline;
         CHANGED.notify_all();
         return QuiesceReport {
