@@ -54,6 +54,34 @@ pub fn open(home: &Path) -> anyhow::Result<Store> {
     Store::open(cfg).context("cannot open the snapshot store")
 }
 
+/// Size limit of the local chunk cache in front of a remote store
+/// (`TINE_STORE_CACHE`, e.g. `20G`; default 16 GiB).
+pub const CACHE_ENV: &str = "TINE_STORE_CACHE";
+const DEFAULT_CACHE_MIB: u64 = 16 << 10;
+
+/// Keeps the chunk cache within its budget, least recently used chunks
+/// first (they stay in the backend). Run after the work of a sleep, wake
+/// or gc, so it costs the command, not the vm's time to ready. A bad
+/// budget or a failed trim is reported, never fatal: the cache is only
+/// a cache.
+fn trim_cache(store: &Store) {
+    let budget_mib = match std::env::var(CACHE_ENV) {
+        Ok(v) => match crate::size::parse_mib(&v) {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("tine: {CACHE_ENV}={v:?} is not a size ({e}); the cache keeps {DEFAULT_CACHE_MIB} MiB");
+                DEFAULT_CACHE_MIB
+            }
+        },
+        Err(_) => DEFAULT_CACHE_MIB,
+    };
+    match store.trim_cache(budget_mib << 20) {
+        Ok((0, _)) => {}
+        Ok((n, bytes)) => tracing::debug!("chunk cache: {n} chunks ({bytes} bytes) dropped"),
+        Err(e) => eprintln!("tine: cannot trim the chunk cache: {e}"),
+    }
+}
+
 /// A progress bar on stderr for work that lasts more than a second (and
 /// only on a terminal).
 struct Bar {
@@ -257,6 +285,7 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
             report.total_ms
         );
     }
+    trim_cache(&store);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -627,6 +656,7 @@ fn wake_branch(
             store.create_branch(name, b.snapshot, BranchState::Running)?;
         }
     }
+    trim_cache(&store);
     Ok(started)
 }
 
@@ -767,6 +797,7 @@ pub fn gc(home: &Path, json: bool) -> anyhow::Result<ExitCode> {
             report.leftovers_removed
         );
     }
+    trim_cache(&store);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -459,5 +459,42 @@ fn test_a_branch_sleeps_in_s3_and_wakes_lazily_with_an_empty_cache() {
     assert_eq!(ask(&h, "s", "sum 16", "SUM"), sum);
     let v = tine(&["store", "verify"]);
     assert!(v.contains("0 missing, 0 corrupt"), "{v}");
+
+    // The chunk cache keeps to its budget (TINE_STORE_CACHE); what it
+    // drops is still in the bucket, so a new branch from the same
+    // snapshot reads the same memory.
+    let cache_bytes = || -> u64 {
+        fn walk(p: &std::path::Path) -> u64 {
+            std::fs::read_dir(p).map_or(0, |rd| {
+                rd.flatten()
+                    .map(|e| match e.metadata() {
+                        Ok(m) if m.is_dir() => walk(&e.path()),
+                        Ok(m) => m.len(),
+                        Err(_) => 0,
+                    })
+                    .sum()
+            })
+        }
+        walk(&store.join("cache"))
+    };
+    assert!(cache_bytes() > 1 << 20, "the verify filled the cache");
+    let out = h
+        .cmd(&["wake", "s", "--name", "s2"])
+        .envs(env.iter().map(|(k, v)| (k, v.as_str())))
+        .env("TINE_STORE_CACHE", "1M")
+        .output()
+        .expect("tine");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        cache_bytes() <= 1 << 20,
+        "cache trimmed to 1 MiB: {} bytes",
+        cache_bytes()
+    );
+    assert_eq!(ask(&h, "s2", "sum 16", "SUM"), sum);
     h.ok(&["rm", "--force", "s"]);
+    h.ok(&["rm", "--force", "s2"]);
 }
