@@ -584,21 +584,7 @@ pub fn wake(
     net: bool,
     lazy: bool,
 ) -> anyhow::Result<ExitCode> {
-    let s = wake_branch(home, branch, name, net, lazy, None)?;
-    let what = if s.wake.is_some() {
-        "agent answered"
-    } else {
-        "VMM running"
-    };
-    println!("{}: {what} in {:.0} ms (pid {})", s.name, s.ready_ms, s.pid);
-    for p in &s.problems {
-        eprintln!("tine: {p}");
-    }
-    Ok(if s.problems.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(wake_branch(home, branch, name, net, lazy, None)?.report())
 }
 
 /// [`wake`] without printing, with an optional fork contract over the

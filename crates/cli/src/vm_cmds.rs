@@ -138,23 +138,32 @@ pub struct Started {
     pub problems: Vec<String>,
 }
 
+impl Started {
+    /// The line `tine run` prints, problems on stderr; failure if any.
+    pub fn report(&self) -> ExitCode {
+        let what = if self.wake.is_some() {
+            "agent answered"
+        } else {
+            "VMM running"
+        };
+        println!(
+            "{}: {what} in {:.0} ms (pid {})",
+            self.name, self.ready_ms, self.pid
+        );
+        for p in &self.problems {
+            eprintln!("tine: {p}");
+        }
+        if self.problems.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// `tine run`: starts the VMM detached and waits for the agent.
 pub fn run(home: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
-    let s = start(home, args)?;
-    let what = if s.wake.is_some() {
-        "agent answered"
-    } else {
-        "VMM running"
-    };
-    println!("{}: {what} in {:.0} ms (pid {})", s.name, s.ready_ms, s.pid);
-    for p in &s.problems {
-        eprintln!("tine: {p}");
-    }
-    Ok(if s.problems.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(start(home, args)?.report())
 }
 
 /// Starts the VMM detached, waits for it (and the agent) and wakes the vm.
