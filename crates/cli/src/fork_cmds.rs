@@ -267,6 +267,8 @@ pub fn fork(
 
     // Wake-up: the parent and every child, at once.
     let mut problems = gateway_problems;
+    let child_dirs: Vec<&VmDir> = dirs.iter().collect();
+    problems.extend(crate::tree_cmds::link_children(home, &vm, &child_dirs));
     let taps: Vec<(String, net::Lease)> = recs
         .iter()
         .filter_map(|rec| rec.lease.map(|l| (tap_name(&rec.name), l)))

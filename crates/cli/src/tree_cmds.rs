@@ -646,6 +646,45 @@ fn wake_branch(
     Ok(started)
 }
 
+/// Children of a fork of a vm woken from the store descend from the same
+/// stored snapshot: their VMMs inherit the parent's dirty tracking
+/// (relative to that snapshot), so their sleeps store diff layers under it
+/// and `tine tree` draws them there. Without a link, nothing to do.
+pub fn link_children(home: &Path, parent: &VmDir, children: &[&VmDir]) -> Vec<String> {
+    let Some(link) = read_link(parent) else {
+        return Vec::new();
+    };
+    let store = match open(home) {
+        Ok(s) => s,
+        Err(e) => return vec![format!("the children are not linked into the tree: {e:#}")],
+    };
+    let snapshot = SnapshotId(link.snapshot);
+    let mut problems = Vec::new();
+    for c in children {
+        let res = (|| -> anyhow::Result<()> {
+            if let Some(b) = store.branch(&c.name)? {
+                if b.state != BranchState::Gone {
+                    bail!("a {} branch of that name is in the store", b.state);
+                }
+            }
+            let l = BranchLink {
+                branch: c.name.clone(),
+                snapshot: link.snapshot,
+            };
+            state::write_atomic(&link_path(c), &serde_json::to_vec(&l)?)?;
+            store.create_branch(&c.name, snapshot, BranchState::Running)?;
+            Ok(())
+        })();
+        if let Err(e) = res {
+            problems.push(format!(
+                "{}: not linked under snapshot {snapshot} (its sleep will store a new root): {e:#}",
+                c.name
+            ));
+        }
+    }
+    problems
+}
+
 /// `tine fork BRANCH -n K [--contract FILE] [--json]` of a sleeping
 /// branch: K new branches wake from its snapshot, one after another (they
 /// share its materialized memory file). An invalid contract is refused

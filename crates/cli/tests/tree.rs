@@ -327,6 +327,21 @@ fn test_a_lazy_wake_pages_memory_in_from_the_store_and_records_its_working_set()
     h.ok(&["fork", "l", "--names", "l1"]);
     assert_eq!(ask(&h, "l1", "sum 16", "SUM"), sum);
     assert_eq!(ask(&h, "l", "sum 16", "SUM"), sum);
+    // The child descends from the snapshot its parent woke from: its sleep
+    // is a diff layer under that snapshot, not a new root.
+    let link: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(h.0.path().join("vms/l/branch.json")).expect("l's link"),
+    )
+    .expect("link json");
+    let slept: serde_json::Value =
+        serde_json::from_str(&h.ok(&["sleep", "l1", "--json"])).expect("sleep json");
+    assert_eq!(slept["parent"], link["snapshot"], "{slept} {link}");
+    assert!(
+        slept["new_stored"].as_u64().expect("new_stored") < 8 << 20,
+        "a diff over the 16 MiB the parent snapshot holds: {slept}"
+    );
+    h.ok(&["wake", "l1"]);
+    assert_eq!(ask(&h, "l1", "sum 16", "SUM"), sum);
     for vm in ["l", "l1"] {
         h.ok(&["rm", "--force", vm]);
     }
