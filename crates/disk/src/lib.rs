@@ -37,6 +37,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fs::{self, File as StdFile, OpenOptions};
 use std::io;
+use std::ops::Range;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -45,7 +46,10 @@ use std::sync::{Mutex, OnceLock};
 use imago::file::File as ImagoFile;
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
-use imago::{DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, Storage, StorageOpenOptions};
+use imago::{
+    DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, ShallowMapping, Storage,
+    StorageOpenOptions,
+};
 
 mod overlay;
 
@@ -128,6 +132,12 @@ pub enum DiskError {
         offset: u64,
         len: u64,
         size: u64,
+    },
+    #[error("{}: the chain has {depth} layers, there is no layer {layer} to compare against", path.display())]
+    NoSuchLayer {
+        path: PathBuf,
+        layer: usize,
+        depth: usize,
     },
     #[error("{}: {op}: {source}", path.display())]
     Io {
@@ -723,6 +733,67 @@ impl Disk {
         self.layers[0].path = top.into();
         self.writable = true;
         Ok(())
+    }
+
+    /// The byte ranges (sorted, disjoint, not adjacent) where a read of this disk does not
+    /// fall through to layer `layer` of [`Disk::chain`] (top = 0) at the same offset: every
+    /// range some layer above it maps itself, as data, zeroes or compressed data, and every
+    /// range a discard above it changed. Outside these ranges the disk reads exactly as
+    /// `layer` does, so a copy of `layer` plus these ranges is the whole disk.
+    ///
+    /// Resolved with imago's per-layer mapping ([`FormatAccess::get_shallow_mapping`]) down
+    /// the chain, whole runs of clusters at a time (up to one L2 table each), so nothing but
+    /// metadata is read. Anything this cannot prove to fall through (a mapping kind imago
+    /// adds later, a backing offset that moved) counts as changed: a range wrongly left out
+    /// would lose data, one wrongly included only costs a read.
+    pub fn changed_above(&self, layer: usize) -> Result<Vec<Range<u64>>, DiskError> {
+        if layer >= self.layers.len() {
+            return Err(DiskError::NoSuchLayer {
+                path: self.path().into(),
+                layer,
+                depth: self.layers.len(),
+            });
+        }
+        let mut out: Vec<Range<u64>> = Vec::new();
+        let mut offset = 0u64;
+        while offset < self.size {
+            let (changed, len) = self.resolve_above(layer, offset, self.size - offset)?;
+            let end = offset + len;
+            if changed {
+                match out.last_mut() {
+                    Some(r) if r.end == offset => r.end = end,
+                    _ => out.push(offset..end),
+                }
+            }
+            offset = end;
+        }
+        Ok(out)
+    }
+
+    /// Whether the run at `offset` (at most `max` bytes) differs from layer `layer`, and
+    /// its length (> 0).
+    fn resolve_above(&self, layer: usize, offset: u64, max: u64) -> Result<(bool, u64), DiskError> {
+        let mut fa = &self.top;
+        let mut max = max;
+        for l in &self.layers[..layer] {
+            let (m, len) = fa
+                .get_shallow_mapping(offset, max)
+                .map_err(imago_err(&l.path, "map"))?;
+            if len == 0 {
+                // EOF inside the disk size: not a fall-through, so changed.
+                return Ok((true, max));
+            }
+            match m {
+                ShallowMapping::Indirect {
+                    layer, offset: o, ..
+                } if o == offset => {
+                    fa = layer;
+                    max = len;
+                }
+                _ => return Ok((true, len)),
+            }
+        }
+        Ok((false, max))
     }
 
     /// The chain, top layer first, with current on-host sizes.
