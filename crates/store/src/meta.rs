@@ -520,6 +520,35 @@ fn hash_of(b: Vec<u8>) -> Result<ChunkId, MetaError> {
     Ok(ChunkId(arr))
 }
 
+/// Every row `sql` returns, mapped by `f`; `what` names the read in errors.
+/// Statements are cached on the connection: these queries run again and
+/// again (every layer read, every gc).
+fn query_all<T, P: rusqlite::Params>(
+    conn: &rusqlite::Connection,
+    p: &Path,
+    what: &'static str,
+    sql: &str,
+    params: P,
+    f: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>, MetaError> {
+    let mut st = conn.prepare_cached(sql).map_err(sq(p, "prepare"))?;
+    let rows = st.query_map(params, f).map_err(sq(p, what))?;
+    rows.collect::<Result<_, _>>().map_err(sq(p, what))
+}
+
+/// Whether the holder of a lease (`owner`, `expires_ms`) is gone; a row
+/// with no lease has no holder.
+fn lease_gone(
+    gone: &dyn Fn(&str, i64) -> bool,
+    owner: Option<String>,
+    expires_ms: Option<i64>,
+) -> bool {
+    match (owner, expires_ms) {
+        (Some(o), Some(e)) => gone(&o, e),
+        _ => true,
+    }
+}
+
 impl SqliteMeta {
     /// Opens (creating it and running migrations as needed) `path`.
     pub fn open(path: &Path) -> Result<SqliteMeta, MetaError> {
@@ -549,6 +578,23 @@ impl SqliteMeta {
         // A panic while holding the lock leaves the connection usable
         // (every transaction rolls back on drop).
         self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` in one IMMEDIATE write transaction (it takes the write
+    /// lock up front, so it never fails midway on another writer) and
+    /// commits when `f` returns Ok; an error rolls everything back.
+    fn write<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Transaction<'_>, &Path) -> Result<T, MetaError>,
+    ) -> Result<T, MetaError> {
+        let p = &self.path;
+        let mut conn = self.conn();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sq(p, "begin"))?;
+        let out = f(&tx, p)?;
+        tx.commit().map_err(sq(p, "commit"))?;
+        Ok(out)
     }
 
     fn migrate(&self) -> Result<(), MetaError> {
@@ -665,6 +711,22 @@ fn is_unique_violation(e: &rusqlite::Error) -> bool {
             && f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE)
 }
 
+/// The error of a branch write: a unique violation means a live branch
+/// is already called `name`; anything else is the database's.
+fn name_taken_or<'a>(
+    p: &'a Path,
+    what: &'static str,
+    name: &'a str,
+) -> impl FnOnce(rusqlite::Error) -> MetaError + 'a {
+    move |e| {
+        if is_unique_violation(&e) {
+            MetaError::NameTaken(name.into())
+        } else {
+            sq(p, what)(e)
+        }
+    }
+}
+
 const SNAPSHOT_COLS: &str =
     "id, parent, created_ms, state, manifest, working_set, lease_owner, lease_expires_ms";
 const LAYER_COLS: &str = "id, snapshot, kind, disk, parent, size, window_size";
@@ -681,39 +743,27 @@ impl Meta for SqliteMeta {
         manifest: &str,
         lease: &Lease,
     ) -> Result<SnapshotId, MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        if let Some(parent) = parent {
-            let ok: Option<i64> = tx
-                .query_row(
-                    "SELECT id FROM snapshots WHERE id = ?1 AND state = 'committed'",
-                    [parent.0],
-                    |r| r.get(0),
-                )
-                .optional()
-                .map_err(sq(p, "find parent"))?;
-            if ok.is_none() {
-                return Err(MetaError::NoSnapshot(parent));
+        self.write(|tx, p| {
+            if let Some(parent) = parent {
+                if snapshot_state(tx, p, parent, "find parent")?.as_deref() != Some("committed") {
+                    return Err(MetaError::NoSnapshot(parent));
+                }
             }
-        }
-        tx.execute(
-            "INSERT INTO snapshots (parent, created_ms, state, manifest, lease_owner, lease_expires_ms)
-             VALUES (?1, ?2, 'pending', ?3, ?4, ?5)",
-            params![
-                parent.map(|s| s.0),
-                crate::lease::now_ms(),
-                manifest,
-                lease.owner,
-                lease.expires_ms
-            ],
-        )
-        .map_err(sq(p, "insert snapshot"))?;
-        let id = tx.last_insert_rowid();
-        tx.commit().map_err(sq(p, "commit"))?;
-        Ok(SnapshotId(id))
+            tx.execute(
+                "INSERT INTO snapshots (parent, created_ms, state, manifest, lease_owner, lease_expires_ms)
+                 VALUES (?1, ?2, 'pending', ?3, ?4, ?5)",
+                params![
+                    parent.map(|s| s.0),
+                    crate::lease::now_ms(),
+                    manifest,
+                    lease.owner,
+                    lease.expires_ms
+                ],
+            )
+            .map_err(sq(p, "insert snapshot"))?;
+            let id = tx.last_insert_rowid();
+            Ok(SnapshotId(id))
+        })
     }
 
     fn add_layer(
@@ -724,39 +774,27 @@ impl Meta for SqliteMeta {
         size: u64,
         window_size: u64,
     ) -> Result<LayerId, MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        let pending: Option<i64> = tx
-            .query_row(
-                "SELECT id FROM snapshots WHERE id = ?1 AND state = 'pending'",
-                [snapshot.0],
-                |r| r.get(0),
+        self.write(|tx, p| {
+            if snapshot_state(tx, p, snapshot, "find snapshot")?.as_deref() != Some("pending") {
+                return Err(MetaError::NotPending(snapshot));
+            }
+            let (k, d) = kind.to_db();
+            tx.execute(
+                "INSERT INTO layers (snapshot, kind, disk, parent, size, window_size)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![
+                    snapshot.0,
+                    k,
+                    d,
+                    parent.map(|l| l.0),
+                    size as i64,
+                    window_size as i64
+                ],
             )
-            .optional()
-            .map_err(sq(p, "find snapshot"))?;
-        if pending.is_none() {
-            return Err(MetaError::NotPending(snapshot));
-        }
-        let (k, d) = kind.to_db();
-        tx.execute(
-            "INSERT INTO layers (snapshot, kind, disk, parent, size, window_size)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![
-                snapshot.0,
-                k,
-                d,
-                parent.map(|l| l.0),
-                size as i64,
-                window_size as i64
-            ],
-        )
-        .map_err(sq(p, "insert layer"))?;
-        let id = tx.last_insert_rowid();
-        tx.commit().map_err(sq(p, "commit"))?;
-        Ok(LayerId(id))
+            .map_err(sq(p, "insert layer"))?;
+            let id = tx.last_insert_rowid();
+            Ok(LayerId(id))
+        })
     }
 
     fn pin(
@@ -828,11 +866,7 @@ impl Meta for SqliteMeta {
                             })
                             .map_err(sq(p, "read chunk"))?;
                         if state == "deleting" {
-                            let gc_gone = match (owner, exp) {
-                                (Some(o), Some(e)) => gone(&o, e),
-                                _ => true,
-                            };
-                            if !gc_gone {
+                            if !lease_gone(gone, owner, exp) {
                                 // Drop the transaction: nothing recorded.
                                 return Ok(Pin::Busy(id));
                             }
@@ -856,12 +890,7 @@ impl Meta for SqliteMeta {
     }
 
     fn mark_stored(&self, chunks: &[(ChunkId, u64)]) -> Result<(), MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        {
+        self.write(|tx, p| {
             let mut st = tx
                 .prepare_cached(
                     "UPDATE chunks SET stored = 1, stored_len = ?2 WHERE hash = ?1 AND state = 'live'",
@@ -871,8 +900,8 @@ impl Meta for SqliteMeta {
                 st.execute(params![&c.0[..], *len as i64])
                     .map_err(sq(p, "mark stored"))?;
             }
-        }
-        tx.commit().map_err(sq(p, "commit"))
+            Ok(())
+        })
     }
 
     fn put_blob(&self, snapshot: SnapshotId, name: &str, data: &[u8]) -> Result<(), MetaError> {
@@ -898,80 +927,64 @@ impl Meta for SqliteMeta {
         working_set: &[u64],
         branch: Option<&BranchChange>,
     ) -> Result<Option<BranchId>, MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        let unstored: i64 = tx
-            .query_row(
-                "SELECT COUNT(*) FROM windows w JOIN layers l ON w.layer = l.id
-                 JOIN chunks c ON c.id = w.chunk
-                 WHERE l.snapshot = ?1 AND (c.stored = 0 OR c.state != 'live')",
-                [snapshot.0],
-                |r| r.get(0),
-            )
-            .map_err(sq(p, "check chunks"))?;
-        if unstored != 0 {
-            return Err(MetaError::Unstored {
-                snapshot,
-                count: unstored as u64,
-            });
-        }
-        let n = tx
-            .execute(
-                "UPDATE snapshots SET state = 'committed', working_set = ?2,
-                 lease_owner = NULL, lease_expires_ms = NULL
-                 WHERE id = ?1 AND state = 'pending'",
-                params![snapshot.0, encode_pages(working_set)],
-            )
-            .map_err(sq(p, "commit snapshot"))?;
-        if n != 1 {
-            return Err(MetaError::NotPending(snapshot));
-        }
-        let now = crate::lease::now_ms();
-        let bid = match branch {
-            None => None,
-            Some(BranchChange::Create { name, state }) => {
-                tx.execute(
-                    "INSERT INTO branches (name, snapshot, state, created_ms, updated_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?4)",
-                    params![name, snapshot.0, state.as_str(), now],
+        self.write(|tx, p| {
+            let unstored: i64 = tx
+                .query_row(
+                    "SELECT COUNT(*) FROM windows w JOIN layers l ON w.layer = l.id
+                     JOIN chunks c ON c.id = w.chunk
+                     WHERE l.snapshot = ?1 AND (c.stored = 0 OR c.state != 'live')",
+                    [snapshot.0],
+                    |r| r.get(0),
                 )
-                .map_err(|e| {
-                    if is_unique_violation(&e) {
-                        MetaError::NameTaken(name.clone())
-                    } else {
-                        sq(p, "insert branch")(e)
-                    }
-                })?;
-                Some(BranchId(tx.last_insert_rowid()))
+                .map_err(sq(p, "check chunks"))?;
+            if unstored != 0 {
+                return Err(MetaError::Unstored {
+                    snapshot,
+                    count: unstored as u64,
+                });
             }
-            Some(BranchChange::Update { id, state }) => {
-                let n = tx
-                    .execute(
-                        "UPDATE branches SET snapshot = ?2, state = ?3, updated_ms = ?4 WHERE id = ?1",
-                        params![id.0, snapshot.0, state.as_str(), now],
+            let n = tx
+                .execute(
+                    "UPDATE snapshots SET state = 'committed', working_set = ?2,
+                     lease_owner = NULL, lease_expires_ms = NULL
+                     WHERE id = ?1 AND state = 'pending'",
+                    params![snapshot.0, encode_pages(working_set)],
+                )
+                .map_err(sq(p, "commit snapshot"))?;
+            if n != 1 {
+                return Err(MetaError::NotPending(snapshot));
+            }
+            let now = crate::lease::now_ms();
+            let bid = match branch {
+                None => None,
+                Some(BranchChange::Create { name, state }) => {
+                    tx.execute(
+                        "INSERT INTO branches (name, snapshot, state, created_ms, updated_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?4)",
+                        params![name, snapshot.0, state.as_str(), now],
                     )
-                    .map_err(sq(p, "update branch"))?;
-                if n != 1 {
-                    return Err(MetaError::NoBranch(id.to_string()));
+                    .map_err(name_taken_or(p, "insert branch", name))?;
+                    Some(BranchId(tx.last_insert_rowid()))
                 }
-                Some(*id)
-            }
-        };
-        tx.commit().map_err(sq(p, "commit"))?;
-        Ok(bid)
+                Some(BranchChange::Update { id, state }) => {
+                    let n = tx
+                        .execute(
+                            "UPDATE branches SET snapshot = ?2, state = ?3, updated_ms = ?4 WHERE id = ?1",
+                            params![id.0, snapshot.0, state.as_str(), now],
+                        )
+                        .map_err(sq(p, "update branch"))?;
+                    if n != 1 {
+                        return Err(MetaError::NoBranch(id.to_string()));
+                    }
+                    Some(*id)
+                }
+            };
+            Ok(bid)
+        })
     }
 
     fn abort_snapshot(&self, snapshot: SnapshotId) -> Result<(), MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        delete_pending(&tx, p, snapshot)?;
-        tx.commit().map_err(sq(p, "commit"))
+        self.write(|tx, p| delete_pending(tx, p, snapshot))
     }
 
     fn snapshot(&self, id: SnapshotId) -> Result<Option<SnapshotRow>, MetaError> {
@@ -986,22 +999,18 @@ impl Meta for SqliteMeta {
     }
 
     fn snapshots(&self, state: SnapshotState) -> Result<Vec<SnapshotRow>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare(&format!(
-                "SELECT {SNAPSHOT_COLS} FROM snapshots WHERE state = ?1 ORDER BY id"
-            ))
-            .map_err(sq(p, "prepare"))?;
         let s = match state {
             SnapshotState::Pending => "pending",
             SnapshotState::Committed => "committed",
         };
-        let rows = st
-            .query_map([s], Self::snapshot_from_row)
-            .map_err(sq(p, "read snapshots"))?;
-        rows.collect::<Result<_, _>>()
-            .map_err(sq(p, "read snapshots"))
+        query_all(
+            &self.conn(),
+            &self.path,
+            "read snapshots",
+            &format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE state = ?1 ORDER BY id"),
+            [s],
+            Self::snapshot_from_row,
+        )
     }
 
     fn blob(&self, snapshot: SnapshotId, name: &str) -> Result<Option<Vec<u8>>, MetaError> {
@@ -1016,18 +1025,16 @@ impl Meta for SqliteMeta {
     }
 
     fn layers(&self, snapshot: SnapshotId) -> Result<Vec<LayerRow>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare_cached(&format!(
+        let rows = query_all(
+            &self.conn(),
+            &self.path,
+            "read layers",
+            &format!(
                 "SELECT {LAYER_COLS} FROM layers WHERE snapshot = ?1 ORDER BY kind DESC, disk"
-            ))
-            .map_err(sq(p, "prepare"))?;
-        let rows: Vec<_> = st
-            .query_map([snapshot.0], Self::layer_from_row)
-            .map_err(sq(p, "read layers"))?
-            .collect::<Result<_, _>>()
-            .map_err(sq(p, "read layers"))?;
+            ),
+            [snapshot.0],
+            Self::layer_from_row,
+        )?;
         rows.into_iter().map(Self::fix_kind).collect()
     }
 
@@ -1045,19 +1052,15 @@ impl Meta for SqliteMeta {
     }
 
     fn windows(&self, layer: LayerId) -> Result<Vec<(u64, Entry)>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare_cached(
-                "SELECT w.idx, c.hash FROM windows w LEFT JOIN chunks c ON c.id = w.chunk
-                 WHERE w.layer = ?1 ORDER BY w.idx",
-            )
-            .map_err(sq(p, "prepare"))?;
-        let rows: Vec<(i64, Option<Vec<u8>>)> = st
-            .query_map([layer.0], |r| Ok((r.get(0)?, r.get(1)?)))
-            .map_err(sq(p, "read windows"))?
-            .collect::<Result<_, _>>()
-            .map_err(sq(p, "read windows"))?;
+        let rows: Vec<(i64, Option<Vec<u8>>)> = query_all(
+            &self.conn(),
+            &self.path,
+            "read windows",
+            "SELECT w.idx, c.hash FROM windows w LEFT JOIN chunks c ON c.id = w.chunk
+             WHERE w.layer = ?1 ORDER BY w.idx",
+            [layer.0],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
         rows.into_iter()
             .map(|(i, h)| {
                 Ok((
@@ -1085,18 +1088,14 @@ impl Meta for SqliteMeta {
     }
 
     fn chunks(&self) -> Result<Vec<ChunkRow>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare("SELECT hash, stored_len, raw_len, stored, state FROM chunks ORDER BY id")
-            .map_err(sq(p, "prepare"))?;
-        let rows: Vec<(Vec<u8>, i64, i64, bool, String)> = st
-            .query_map([], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
-            })
-            .map_err(sq(p, "read chunks"))?
-            .collect::<Result<_, _>>()
-            .map_err(sq(p, "read chunks"))?;
+        let rows: Vec<(Vec<u8>, i64, i64, bool, String)> = query_all(
+            &self.conn(),
+            &self.path,
+            "read chunks",
+            "SELECT hash, stored_len, raw_len, stored, state FROM chunks ORDER BY id",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        )?;
         rows.into_iter()
             .map(|(h, s, r, stored, state)| {
                 Ok(ChunkRow {
@@ -1111,44 +1110,39 @@ impl Meta for SqliteMeta {
     }
 
     fn chunk_users(&self, id: &ChunkId) -> Result<Vec<SnapshotId>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare_cached(
-                "SELECT DISTINCT l.snapshot FROM chunks c JOIN windows w ON w.chunk = c.id
-                 JOIN layers l ON l.id = w.layer JOIN snapshots s ON s.id = l.snapshot
-                 WHERE c.hash = ?1 AND s.state = 'committed' ORDER BY l.snapshot",
-            )
-            .map_err(sq(p, "prepare"))?;
-        let rows = st
-            .query_map([&id.0[..]], |r| Ok(SnapshotId(r.get(0)?)))
-            .map_err(sq(p, "read users"))?;
-        rows.collect::<Result<_, _>>().map_err(sq(p, "read users"))
+        query_all(
+            &self.conn(),
+            &self.path,
+            "read users",
+            "SELECT DISTINCT l.snapshot FROM chunks c JOIN windows w ON w.chunk = c.id
+             JOIN layers l ON l.id = w.layer JOIN snapshots s ON s.id = l.snapshot
+             WHERE c.hash = ?1 AND s.state = 'committed' ORDER BY l.snapshot",
+            [&id.0[..]],
+            |r| Ok(SnapshotId(r.get(0)?)),
+        )
     }
 
     fn sizes(&self) -> Result<Vec<(SnapshotId, Sizes)>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare(
-                "WITH refs AS (
-                    SELECT DISTINCT l.snapshot AS s, w.chunk AS c
-                    FROM windows w JOIN layers l ON l.id = w.layer
-                    JOIN snapshots sn ON sn.id = l.snapshot
-                    WHERE sn.state = 'committed' AND w.chunk IS NOT NULL
-                 ), users AS (SELECT c, COUNT(*) AS n FROM refs GROUP BY c)
-                 SELECT r.s,
-                    SUM(CASE WHEN u.n = 1 THEN ch.stored_len ELSE 0 END),
-                    SUM(CASE WHEN u.n = 1 THEN ch.raw_len ELSE 0 END),
-                    SUM(CASE WHEN u.n > 1 THEN ch.stored_len ELSE 0 END),
-                    SUM(CASE WHEN u.n > 1 THEN ch.raw_len ELSE 0 END),
-                    SUM(u.n = 1), SUM(u.n > 1)
-                 FROM refs r JOIN users u ON u.c = r.c JOIN chunks ch ON ch.id = r.c
-                 GROUP BY r.s ORDER BY r.s",
-            )
-            .map_err(sq(p, "prepare"))?;
-        let rows = st
-            .query_map([], |r| {
+        query_all(
+            &self.conn(),
+            &self.path,
+            "read sizes",
+            "WITH refs AS (
+                SELECT DISTINCT l.snapshot AS s, w.chunk AS c
+                FROM windows w JOIN layers l ON l.id = w.layer
+                JOIN snapshots sn ON sn.id = l.snapshot
+                WHERE sn.state = 'committed' AND w.chunk IS NOT NULL
+             ), users AS (SELECT c, COUNT(*) AS n FROM refs GROUP BY c)
+             SELECT r.s,
+                SUM(CASE WHEN u.n = 1 THEN ch.stored_len ELSE 0 END),
+                SUM(CASE WHEN u.n = 1 THEN ch.raw_len ELSE 0 END),
+                SUM(CASE WHEN u.n > 1 THEN ch.stored_len ELSE 0 END),
+                SUM(CASE WHEN u.n > 1 THEN ch.raw_len ELSE 0 END),
+                SUM(u.n = 1), SUM(u.n > 1)
+             FROM refs r JOIN users u ON u.c = r.c JOIN chunks ch ON ch.id = r.c
+             GROUP BY r.s ORDER BY r.s",
+            [],
+            |r| {
                 Ok((
                     SnapshotId(r.get(0)?),
                     Sizes {
@@ -1160,9 +1154,8 @@ impl Meta for SqliteMeta {
                         shared_chunks: r.get::<_, i64>(6)? as u64,
                     },
                 ))
-            })
-            .map_err(sq(p, "read sizes"))?;
-        rows.collect::<Result<_, _>>().map_err(sq(p, "read sizes"))
+            },
+        )
     }
 
     fn totals(&self) -> Result<Totals, MetaError> {
@@ -1224,13 +1217,7 @@ impl Meta for SqliteMeta {
                  SELECT ?1, id, ?3, ?4, ?4 FROM snapshots WHERE id = ?2 AND state = 'committed'",
                 params![name, snapshot.0, state.as_str(), now],
             )
-            .map_err(|e| {
-                if is_unique_violation(&e) {
-                    MetaError::NameTaken(name.into())
-                } else {
-                    sq(p, "insert branch")(e)
-                }
-            })?;
+            .map_err(name_taken_or(p, "insert branch", name))?;
         if n != 1 {
             return Err(MetaError::NoSnapshot(snapshot));
         }
@@ -1252,13 +1239,7 @@ impl Meta for SqliteMeta {
                  WHERE id = ?1",
                 params![id.0, snapshot.map(|s| s.0), state.as_str(), now],
             )
-            .map_err(|e| {
-                if is_unique_violation(&e) {
-                    MetaError::NameTaken(format!("branch {id}"))
-                } else {
-                    sq(p, "update branch")(e)
-                }
-            })?;
+            .map_err(name_taken_or(p, "update branch", &format!("branch {id}")))?;
         if n != 1 {
             return Err(MetaError::NoBranch(id.to_string()));
         }
@@ -1266,16 +1247,14 @@ impl Meta for SqliteMeta {
     }
 
     fn branches(&self) -> Result<Vec<BranchRow>, MetaError> {
-        let p = &self.path;
-        let conn = self.conn();
-        let mut st = conn
-            .prepare(&format!("SELECT {BRANCH_COLS} FROM branches ORDER BY id"))
-            .map_err(sq(p, "prepare"))?;
-        let rows: Vec<_> = st
-            .query_map([], Self::branch_from_row)
-            .map_err(sq(p, "read branches"))?
-            .collect::<Result<_, _>>()
-            .map_err(sq(p, "read branches"))?;
+        let rows = query_all(
+            &self.conn(),
+            &self.path,
+            "read branches",
+            &format!("SELECT {BRANCH_COLS} FROM branches ORDER BY id"),
+            [],
+            Self::branch_from_row,
+        )?;
         rows.into_iter().map(Self::fix_state).collect()
     }
 
@@ -1293,74 +1272,54 @@ impl Meta for SqliteMeta {
     }
 
     fn reap_pending(&self, gone: &dyn Fn(&str, i64) -> bool) -> Result<Vec<SnapshotId>, MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        let pending: Vec<(i64, Option<String>, Option<i64>)> = {
-            let mut st = tx
-                .prepare(
-                    "SELECT id, lease_owner, lease_expires_ms FROM snapshots WHERE state = 'pending'",
-                )
-                .map_err(sq(p, "prepare"))?;
-            let rows = st
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                .map_err(sq(p, "read pending"))?;
-            rows.collect::<Result<_, _>>()
-                .map_err(sq(p, "read pending"))?
-        };
-        let mut reaped = Vec::new();
-        for (id, owner, exp) in pending {
-            let dead = match (owner, exp) {
-                (Some(o), Some(e)) => gone(&o, e),
-                _ => true,
-            };
-            if dead {
-                delete_pending(&tx, p, SnapshotId(id))?;
-                reaped.push(SnapshotId(id));
+        self.write(|tx, p| {
+            let pending: Vec<(i64, Option<String>, Option<i64>)> = query_all(
+                tx,
+                p,
+                "read pending",
+                "SELECT id, lease_owner, lease_expires_ms FROM snapshots WHERE state = 'pending'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )?;
+            let mut reaped = Vec::new();
+            for (id, owner, exp) in pending {
+                if lease_gone(gone, owner, exp) {
+                    delete_pending(tx, p, SnapshotId(id))?;
+                    reaped.push(SnapshotId(id));
+                }
             }
-        }
-        tx.commit().map_err(sq(p, "commit"))?;
-        Ok(reaped)
+            Ok(reaped)
+        })
     }
 
     fn prune_snapshots(&self) -> Result<Vec<SnapshotId>, MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        let mut pruned = Vec::new();
-        loop {
-            let leaves: Vec<i64> = {
-                let mut st = tx
-                    .prepare(
-                        "SELECT s.id FROM snapshots s WHERE s.state = 'committed'
-                         AND NOT EXISTS (SELECT 1 FROM snapshots c WHERE c.parent = s.id)
-                         AND NOT EXISTS (SELECT 1 FROM branches b WHERE b.snapshot = s.id
-                                         AND b.state != 'gone')",
-                    )
-                    .map_err(sq(p, "prepare"))?;
-                let rows = st
-                    .query_map([], |r| r.get(0))
-                    .map_err(sq(p, "read leaves"))?;
-                rows.collect::<Result<_, _>>()
-                    .map_err(sq(p, "read leaves"))?
-            };
-            if leaves.is_empty() {
-                break;
+        self.write(|tx, p| {
+            let mut pruned = Vec::new();
+            loop {
+                let leaves: Vec<i64> = query_all(
+                    tx,
+                    p,
+                    "read leaves",
+                    "SELECT s.id FROM snapshots s WHERE s.state = 'committed'
+                     AND NOT EXISTS (SELECT 1 FROM snapshots c WHERE c.parent = s.id)
+                     AND NOT EXISTS (SELECT 1 FROM branches b WHERE b.snapshot = s.id
+                                     AND b.state != 'gone')",
+                    [],
+                    |r| r.get(0),
+                )?;
+                if leaves.is_empty() {
+                    break;
+                }
+                for id in leaves {
+                    // Gone branches of this snapshot go with it.
+                    tx.execute("DELETE FROM branches WHERE snapshot = ?1", [id])
+                        .map_err(sq(p, "delete branches"))?;
+                    delete_snapshot_rows(tx, p, SnapshotId(id))?;
+                    pruned.push(SnapshotId(id));
+                }
             }
-            for id in leaves {
-                // Gone branches of this snapshot go with it.
-                tx.execute("DELETE FROM branches WHERE snapshot = ?1", [id])
-                    .map_err(sq(p, "delete branches"))?;
-                delete_snapshot_rows(&tx, p, SnapshotId(id))?;
-                pruned.push(SnapshotId(id));
-            }
-        }
-        tx.commit().map_err(sq(p, "commit"))?;
-        Ok(pruned)
+            Ok(pruned)
+        })
     }
 
     fn gc_mark(
@@ -1369,82 +1328,64 @@ impl Meta for SqliteMeta {
         objects: &[ChunkId],
         gone: &dyn Fn(&str, i64) -> bool,
     ) -> Result<Vec<(ChunkId, u64)>, MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        // Objects with no row: adopt them as 'deleting' rows, so a writer
-        // that wants one waits for this gc instead of trusting a doomed
-        // object.
-        {
-            let mut ins = tx
-                .prepare_cached(
-                    "INSERT INTO chunks (hash, stored_len, raw_len, stored, state)
-                     VALUES (?1, 0, 0, 0, 'deleting') ON CONFLICT (hash) DO NOTHING",
-                )
-                .map_err(sq(p, "prepare"))?;
-            for o in objects {
-                ins.execute([&o.0[..]]).map_err(sq(p, "adopt orphan"))?;
-            }
-        }
-        // Rows a gone gc left 'deleting': take them over.
-        let stale: Vec<(i64, Option<String>, Option<i64>)> = {
-            let mut st = tx
-                .prepare("SELECT id, gc_owner, gc_expires_ms FROM chunks WHERE state = 'deleting'")
-                .map_err(sq(p, "prepare"))?;
-            let rows = st
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                .map_err(sq(p, "read deleting"))?;
-            rows.collect::<Result<_, _>>()
-                .map_err(sq(p, "read deleting"))?
-        };
-        {
-            let mut own = tx
-                .prepare_cached("UPDATE chunks SET gc_owner = ?2, gc_expires_ms = ?3 WHERE id = ?1")
-                .map_err(sq(p, "prepare"))?;
-            for (id, owner, exp) in stale {
-                let free = match (owner, exp) {
-                    (Some(o), Some(e)) => gone(&o, e),
-                    _ => true,
-                };
-                if free {
-                    own.execute(params![id, lease.owner, lease.expires_ms])
-                        .map_err(sq(p, "own deleting"))?;
+        let ids = self.write(|tx, p| {
+            // Objects with no row: adopt them as 'deleting' rows, so a writer
+            // that wants one waits for this gc instead of trusting a doomed
+            // object.
+            {
+                let mut ins = tx
+                    .prepare_cached(
+                        "INSERT INTO chunks (hash, stored_len, raw_len, stored, state)
+                         VALUES (?1, 0, 0, 0, 'deleting') ON CONFLICT (hash) DO NOTHING",
+                    )
+                    .map_err(sq(p, "prepare"))?;
+                for o in objects {
+                    ins.execute([&o.0[..]]).map_err(sq(p, "adopt orphan"))?;
                 }
             }
-        }
-        tx.execute(
-            "UPDATE chunks SET state = 'deleting', gc_owner = ?1, gc_expires_ms = ?2
-             WHERE state = 'live' AND NOT EXISTS (SELECT 1 FROM windows w WHERE w.chunk = chunks.id)",
-            params![lease.owner, lease.expires_ms],
-        )
-        .map_err(sq(p, "mark"))?;
-        let ids: Vec<(Vec<u8>, i64)> = {
-            let mut st = tx
-                .prepare(
-                    "SELECT hash, stored_len FROM chunks WHERE state = 'deleting' AND gc_owner = ?1",
-                )
-                .map_err(sq(p, "prepare"))?;
-            let rows = st
-                .query_map([&lease.owner], |r| Ok((r.get(0)?, r.get(1)?)))
-                .map_err(sq(p, "read marked"))?;
-            rows.collect::<Result<_, _>>()
-                .map_err(sq(p, "read marked"))?
-        };
-        tx.commit().map_err(sq(p, "commit"))?;
+            // Rows a gone gc left 'deleting': take them over.
+            let stale: Vec<(i64, Option<String>, Option<i64>)> = query_all(
+                tx,
+                p,
+                "read deleting",
+                "SELECT id, gc_owner, gc_expires_ms FROM chunks WHERE state = 'deleting'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )?;
+            {
+                let mut own = tx
+                    .prepare_cached("UPDATE chunks SET gc_owner = ?2, gc_expires_ms = ?3 WHERE id = ?1")
+                    .map_err(sq(p, "prepare"))?;
+                for (id, owner, exp) in stale {
+                    if lease_gone(gone, owner, exp) {
+                        own.execute(params![id, lease.owner, lease.expires_ms])
+                            .map_err(sq(p, "own deleting"))?;
+                    }
+                }
+            }
+            tx.execute(
+                "UPDATE chunks SET state = 'deleting', gc_owner = ?1, gc_expires_ms = ?2
+                 WHERE state = 'live' AND NOT EXISTS (SELECT 1 FROM windows w WHERE w.chunk = chunks.id)",
+                params![lease.owner, lease.expires_ms],
+            )
+            .map_err(sq(p, "mark"))?;
+            let ids: Vec<(Vec<u8>, i64)> = query_all(
+                tx,
+                p,
+                "read marked",
+                "SELECT hash, stored_len FROM chunks WHERE state = 'deleting' AND gc_owner = ?1",
+                [&lease.owner],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            Ok(ids)
+        })?;
         ids.into_iter()
             .map(|(h, len)| Ok((hash_of(h)?, len as u64)))
             .collect()
     }
 
     fn gc_forget(&self, owner: &str, ids: &[ChunkId]) -> Result<(), MetaError> {
-        let p = &self.path;
-        let mut conn = self.conn();
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(sq(p, "begin"))?;
-        {
+        self.write(|tx, p| {
             let mut st = tx
                 .prepare_cached(
                     "DELETE FROM chunks WHERE hash = ?1 AND state = 'deleting' AND gc_owner = ?2",
@@ -1454,9 +1395,26 @@ impl Meta for SqliteMeta {
                 st.execute(params![&id.0[..], owner])
                     .map_err(sq(p, "forget chunk"))?;
             }
-        }
-        tx.commit().map_err(sq(p, "commit"))
+            Ok(())
+        })
     }
+}
+
+/// A snapshot's state (`pending`, `committed`), None when there is no such
+/// snapshot; `what` names the read in errors.
+fn snapshot_state(
+    tx: &rusqlite::Transaction<'_>,
+    p: &Path,
+    snapshot: SnapshotId,
+    what: &'static str,
+) -> Result<Option<String>, MetaError> {
+    tx.query_row(
+        "SELECT state FROM snapshots WHERE id = ?1",
+        [snapshot.0],
+        |r| r.get(0),
+    )
+    .optional()
+    .map_err(sq(p, what))
 }
 
 /// Deletes a pending snapshot's rows (layers, windows, blobs cascade).
@@ -1465,15 +1423,7 @@ fn delete_pending(
     p: &Path,
     snapshot: SnapshotId,
 ) -> Result<(), MetaError> {
-    let state: Option<String> = tx
-        .query_row(
-            "SELECT state FROM snapshots WHERE id = ?1",
-            [snapshot.0],
-            |r| r.get(0),
-        )
-        .optional()
-        .map_err(sq(p, "read snapshot"))?;
-    match state.as_deref() {
+    match snapshot_state(tx, p, snapshot, "read snapshot")?.as_deref() {
         None => Ok(()),
         Some("pending") => delete_snapshot_rows(tx, p, snapshot),
         Some(_) => Err(MetaError::NotPending(snapshot)),
