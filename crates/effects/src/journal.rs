@@ -250,6 +250,27 @@ fn effect_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<EffectRow> {
     })
 }
 
+/// Appends to `sql` one `OR (<table>.branch = ? AND <table>.seq < ?)` per
+/// barrier (an ancestor's rows before it forked), numbering the parameters
+/// after those already in `args`.
+fn or_before_barriers(
+    sql: &mut String,
+    args: &mut Vec<rusqlite::types::Value>,
+    table: &str,
+    barriers: &[(String, i64)],
+) {
+    for (b, seq) in barriers {
+        let i = args.len();
+        sql.push_str(&format!(
+            " OR ({table}.branch = ?{} AND {table}.seq < ?{})",
+            i + 1,
+            i + 2
+        ));
+        args.push(b.clone().into());
+        args.push((*seq).into());
+    }
+}
+
 impl Journal {
     /// Opens (creating or migrating) the journal at `path`.
     pub fn open(path: &Path) -> Result<Self, Error> {
@@ -450,16 +471,7 @@ impl Journal {
         );
         let mut args: Vec<rusqlite::types::Value> =
             vec![digest.to_string().into(), branch.to_string().into()];
-        for (b, seq) in barriers {
-            let i = args.len();
-            sql.push_str(&format!(
-                " OR (r.branch = ?{} AND r.seq < ?{})",
-                i + 1,
-                i + 2
-            ));
-            args.push(b.clone().into());
-            args.push((*seq).into());
-        }
+        or_before_barriers(&mut sql, &mut args, "r", barriers);
         sql.push(')');
         Ok(self
             .conn
@@ -669,16 +681,7 @@ impl Journal {
                 OR e.id IN (SELECT effect FROM releases WHERE branch = ?1 AND replay = 1)",
         );
         let mut args: Vec<rusqlite::types::Value> = vec![branch.to_string().into()];
-        for (b, seq) in &barriers {
-            let i = args.len();
-            sql.push_str(&format!(
-                " OR (e.branch = ?{} AND e.seq < ?{})",
-                i + 1,
-                i + 2
-            ));
-            args.push(b.clone().into());
-            args.push((*seq).into());
-        }
+        or_before_barriers(&mut sql, &mut args, "e", &barriers);
         sql.push_str(" ORDER BY e.seq");
         let mut st = self.conn.prepare(&sql)?;
         let rows = st.query_map(rusqlite::params_from_iter(args), |r| {
