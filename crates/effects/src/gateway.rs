@@ -784,27 +784,53 @@ fn refuse(ctx: &ConnCtx, method: &str, url: &str, dest: &str) -> Response<RespBo
     );
     let res = tokio::task::block_in_place(|| {
         lock(&ctx.shared.store).journal.insert(&NewEffect {
-            tree: reg.tree(),
-            scope: &reg.branch,
-            key: None,
-            key_text: None,
-            key_source: None,
-            branch: &reg.branch,
-            method,
-            url,
-            dest,
-            digest: None,
-            policy: "deny-in-children",
-            state: State::Refused,
             status: Some(403),
-            req_bytes: 0,
             error: Some(&why),
+            ..unkeyed(reg, method, url, dest, "deny-in-children", State::Refused)
         })
     });
     if let Err(e) = res {
         eprintln!("tine gateway: cannot journal a refusal: {e}");
     }
     text(StatusCode::FORBIDDEN, why)
+}
+
+/// The journal row of an effect that is never replayed (refused, passed,
+/// tunneled): the branch's own, with no key and no digest; no status, no
+/// bytes and no error until the caller sets them.
+fn unkeyed<'a>(
+    reg: &'a Registration,
+    method: &'a str,
+    url: &'a str,
+    dest: &'a str,
+    policy: &'a str,
+    state: State,
+) -> NewEffect<'a> {
+    NewEffect {
+        tree: reg.tree(),
+        scope: &reg.branch,
+        key: None,
+        key_text: None,
+        key_source: None,
+        branch: &reg.branch,
+        method,
+        url,
+        dest,
+        digest: None,
+        policy,
+        state,
+        status: None,
+        req_bytes: 0,
+        error: None,
+    }
+}
+
+/// The answer when journaling a forwarded effect failed.
+fn journal_failed(e: Error) -> Response<RespBody> {
+    text(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("tine effects gateway: the journal failed: {e}"),
+    )
 }
 
 /// What goes to the destination.
@@ -875,31 +901,15 @@ async fn pass(ctx: &ConnCtx, up: Upstream, method: &str, url: &str) -> Response<
     };
     let row = tokio::task::block_in_place(|| {
         lock(&ctx.shared.store).journal.insert(&NewEffect {
-            tree: reg.tree(),
-            scope: &reg.branch,
-            key: None,
-            key_text: None,
-            key_source: None,
-            branch: &reg.branch,
-            method,
-            url,
-            dest: &up.dest,
-            digest: None,
-            policy: "pass",
-            state: State::Passed,
             status,
             req_bytes: up.body.len() as u64,
             error,
+            ..unkeyed(reg, method, url, &up.dest, "pass", State::Passed)
         })
     });
     let row = match row {
         Ok(r) => r,
-        Err(e) => {
-            return text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("tine effects gateway: the journal failed: {e}"),
-            )
-        }
+        Err(e) => return journal_failed(e),
     };
     match res {
         Err(e) => text(
@@ -1525,31 +1535,13 @@ async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
     };
     let row = tokio::task::block_in_place(|| {
         lock(&ctx.shared.store).journal.insert(&NewEffect {
-            tree: reg.tree(),
-            scope: &reg.branch,
-            key: None,
-            key_text: None,
-            key_source: None,
-            branch: &reg.branch,
-            method: "CONNECT",
-            url: &url,
-            dest: &dest,
-            digest: None,
-            policy: "pass",
-            state: State::Tunnel,
             status: Some(200),
-            req_bytes: 0,
-            error: None,
+            ..unkeyed(reg, "CONNECT", &url, &dest, "pass", State::Tunnel)
         })
     });
     let row = match row {
         Ok(r) => r,
-        Err(e) => {
-            return text(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("tine effects gateway: the journal failed: {e}"),
-            )
-        }
+        Err(e) => return journal_failed(e),
     };
     let shared = ctx.shared.clone();
     tokio::spawn(async move {
