@@ -11,6 +11,40 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// A qcow2 `top` of `size` over `backing` (in `format`). `-u`: qemu-img
+/// does not open the backing, which may be missing or broken on purpose.
+fn create_over(top: &Path, backing: &Path, format: &str, size: &str) {
+    qemu_img_ok(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-u",
+        "-b",
+        s(backing),
+        "-F",
+        format,
+        s(top),
+        size,
+    ]);
+}
+
+/// Points qcow2 `layer` at the qcow2 `backing` without checking it (to
+/// make cycles).
+fn rebase_over(layer: &Path, backing: &Path) {
+    qemu_img_ok(&[
+        "rebase",
+        "-u",
+        "-f",
+        "qcow2",
+        "-b",
+        s(backing),
+        "-F",
+        "qcow2",
+        s(layer),
+    ]);
+}
+
 /// Hash every file in `dir` (name -> hash), to prove an error changed nothing.
 fn snapshot(dir: &Path) -> Vec<(PathBuf, blake3::Hash, u32)> {
     use std::os::unix::fs::PermissionsExt;
@@ -44,19 +78,7 @@ fn missing_backing_file() {
     let d = TempDir::new("missing");
     let top = d.join("top.qcow2");
     let gone = d.join("gone.raw");
-    qemu_img_ok(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-u",
-        "-b",
-        s(&gone),
-        "-F",
-        "raw",
-        s(&top),
-        "1M",
-    ]);
+    create_over(&top, &gone, "raw", "1M");
     let err = expect_err(&d.0, &top, "gone.raw");
     match err {
         DiskError::Missing {
@@ -86,46 +108,15 @@ fn backing_chain_cycle() {
     let a = d.join("a.qcow2");
     let b = d.join("b.qcow2");
     qemu_img_ok(&["create", "-q", "-f", "qcow2", s(&a), "1M"]);
-    qemu_img_ok(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&a),
-        "-F",
-        "qcow2",
-        s(&b),
-        "1M",
-    ]);
-    qemu_img_ok(&[
-        "rebase",
-        "-u",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&b),
-        "-F",
-        "qcow2",
-        s(&a),
-    ]);
+    create_over(&b, &a, "qcow2", "1M");
+    rebase_over(&a, &b);
     let err = expect_err(&d.0, &a, "b.qcow2 -> ");
     assert!(err.to_string().contains("cycle"), "{err}");
     assert!(matches!(err, DiskError::Cycle { .. }), "{err:?}");
     // A layer that names itself.
     let c = d.join("c.qcow2");
     qemu_img_ok(&["create", "-q", "-f", "qcow2", s(&c), "1M"]);
-    qemu_img_ok(&[
-        "rebase",
-        "-u",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&c),
-        "-F",
-        "qcow2",
-        s(&c),
-    ]);
+    rebase_over(&c, &c);
     assert!(matches!(
         expect_err(&d.0, &c, "c.qcow2"),
         DiskError::Cycle { .. }
@@ -148,19 +139,7 @@ fn truncated_qcow2_header() {
         );
         // A truncated image as the backing of a good overlay: the error names the backing.
         let top = d.join(&format!("over{cut}.qcow2"));
-        qemu_img_ok(&[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-u",
-            "-b",
-            s(&t),
-            "-F",
-            "qcow2",
-            s(&top),
-            "1M",
-        ]);
+        create_over(&top, &t, "qcow2", "1M");
         let err = expect_err(&d.0, &top, &format!("cut{cut}.qcow2"));
         assert!(
             matches!(err, DiskError::Truncated { .. } | DiskError::Corrupt { .. }),
@@ -184,18 +163,7 @@ fn layer_of_another_virtual_size() {
     let base = d.join("base.raw");
     make_raw_base(&base, 1 << 20, 5);
     let top = d.join("top.qcow2");
-    qemu_img_ok(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&base),
-        "-F",
-        "raw",
-        s(&top),
-        "2M",
-    ]);
+    create_over(&top, &base, "raw", "2M");
     let err = expect_err(&d.0, &top, "base.raw");
     match &err {
         DiskError::SizeMismatch {
