@@ -156,6 +156,21 @@ struct SleepReport {
     memory_logical: u64,
     /// Bytes that went to the backend (new chunks, compressed).
     new_stored: u64,
+    /// Each disk layer, in manifest order.
+    disks: Vec<DiskReport>,
+}
+
+/// How `sleep` stored one disk.
+#[derive(Debug, Serialize)]
+struct DiskReport {
+    size: u64,
+    /// Stored as a diff over the parent snapshot's layer: only the windows
+    /// the qcow2 layers above the woken snapshot's disk map were read.
+    diff: bool,
+    /// Bytes read from the disk chain (and hashed).
+    read_bytes: u64,
+    /// Logical bytes this snapshot records itself.
+    logical: u64,
 }
 
 /// `tine sleep NAME`: the vm becomes a sleeping branch of the tree.
@@ -252,7 +267,7 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
     );
     let stored = store_snapshot(&store, &staging, parent, name);
     let _ = std::fs::remove_dir_all(&staging);
-    let (snap, logical, new_stored) = match stored {
+    let (snap, logical, new_stored, disks) = match stored {
         Ok(s) => s,
         Err(e) => {
             wake_again(&vm, &r, quiesced.is_some());
@@ -273,14 +288,17 @@ pub fn sleep(home: &Path, name: &str, json: bool) -> anyhow::Result<ExitCode> {
         total_ms: t0.elapsed().as_secs_f64() * 1000.0,
         memory_logical: logical,
         new_stored,
+        disks,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
+        let disk_read: u64 = report.disks.iter().map(|d| d.read_bytes).sum();
         println!(
-            "{name}: sleeping in snapshot {} ({} MiB of memory recorded, {} KiB new in the store) in {:.0} ms",
+            "{name}: sleeping in snapshot {} ({} MiB of memory recorded, {} MiB of disk read, {} KiB new in the store) in {:.0} ms",
             snap,
             logical >> 20,
+            disk_read >> 20,
             new_stored >> 10,
             report.total_ms
         );
@@ -310,13 +328,14 @@ fn wake_again(vm: &VmDir, r: &VmRecord, quiesced: bool) {
 
 /// Stores a snapshot directory as snapshot `name` (child of `parent`) and
 /// commits it with branch `name` sleeping in it. Returns the snapshot,
-/// the memory bytes it records itself and the bytes new in the backend.
+/// the memory bytes it records itself, the bytes new in the backend and
+/// how each disk was stored.
 fn store_snapshot(
     store: &Store,
     dir: &Path,
     parent: Option<SnapshotId>,
     name: &str,
-) -> anyhow::Result<(SnapshotId, u64, u64)> {
+) -> anyhow::Result<(SnapshotId, u64, u64, Vec<DiskReport>)> {
     let manifest_text = std::fs::read_to_string(dir.join(snapshot_dir::MANIFEST))
         .context("the staged snapshot has no manifest")?;
     let manifest: Manifest = serde_json::from_str(&manifest_text)?;
@@ -349,18 +368,33 @@ fn store_snapshot(
             w.put_layer(LayerKind::Memory, &memory, &Dirty::All, &bar)?
         }
     };
+    let mut disks = Vec::with_capacity(manifest.disks.len());
     for (i, d) in manifest.disks.iter().enumerate() {
         let disk = disk::Disk::open(&d.path, false)
             .with_context(|| format!("cannot read disk {}", d.path.display()))?;
+        let read_bytes = std::sync::atomic::AtomicU64::new(0);
         let source = store::FnSource {
             len: disk.size(),
             read: |buf: &mut [u8], off: u64| {
+                read_bytes.fetch_add(buf.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 disk.read_at(buf, off)
                     .map_err(|e| std::io::Error::other(e.to_string()))
             },
         };
         let i = u32::try_from(i).context("too many disks")?;
-        w.put_layer(LayerKind::Disk(i), &source, &Dirty::All, &bar)?;
+        let changed = disk_changed_windows(store, parent, i, &disk)
+            .with_context(|| format!("cannot map disk {}", d.path.display()))?;
+        let dirty = match &changed {
+            Some(w) => Dirty::Windows(w),
+            None => Dirty::All,
+        };
+        let st = w.put_layer(LayerKind::Disk(i), &source, &dirty, &bar)?;
+        disks.push(DiskReport {
+            size: disk.size(),
+            diff: changed.is_some(),
+            read_bytes: read_bytes.into_inner(),
+            logical: st.logical_bytes,
+        });
     }
     w.put_blob(snapshot_dir::STATE, state_bytes);
     if let Ok(l) = std::fs::read(dir.join(crate::effects_cmds::SNAPSHOT_LINEAGE)) {
@@ -385,7 +419,65 @@ fn store_snapshot(
         snap,
         mem.logical_bytes,
         after.put_bytes.saturating_sub(before.put_bytes),
+        disks,
     ))
+}
+
+/// The store windows of disk `i` that can differ from the `parent`
+/// snapshot's disk layer `i`, when the chain bottoms out at that layer as
+/// materialized by a wake (`store/wake/PARENT[-lazy]/disk<i>.raw`): the
+/// windows touched by whatever the qcow2 layers above it map (data, zero
+/// and discarded clusters). None (read the whole disk) for any other
+/// chain: a window wrongly left out would lose the guest's data.
+fn disk_changed_windows(
+    store: &Store,
+    parent: Option<SnapshotId>,
+    i: u32,
+    disk: &disk::Disk,
+) -> anyhow::Result<Option<Vec<u64>>> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(p) = parent else {
+        return Ok(None);
+    };
+    let chain = disk.chain();
+    let Some(bottom) = chain.last() else {
+        return Ok(None);
+    };
+    if chain.len() < 2 || bottom.format != disk::Format::Raw {
+        return Ok(None);
+    }
+    // Same file by identity, however the chain spells its path.
+    let Ok(b) = std::fs::metadata(&bottom.path) else {
+        return Ok(None);
+    };
+    let wake = store.dir().join("wake");
+    let is_base = [p.0.to_string(), format!("{}-lazy", p.0)].iter().any(|n| {
+        std::fs::metadata(wake.join(n).join(format!("disk{i}.raw")))
+            .is_ok_and(|m| (m.dev(), m.ino()) == (b.dev(), b.ino()))
+    });
+    if !is_base {
+        return Ok(None);
+    }
+    let base = match store.layer(p, LayerKind::Disk(i)) {
+        Ok(v) => v,
+        Err(store::StoreError::NoLayer { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if base.size() != disk.size() || bottom.virtual_size != base.size() {
+        return Ok(None);
+    }
+    let ws = base.window_size();
+    let mut windows: Vec<u64> = Vec::new();
+    for r in disk.changed_above(chain.len() - 1)? {
+        let first = r.start / ws;
+        let last = (r.end - 1) / ws;
+        let from = match windows.last() {
+            Some(&l) if l >= first => l + 1,
+            _ => first,
+        };
+        windows.extend(from..=last);
+    }
+    Ok(Some(windows))
 }
 
 /// A diff memory layer read as a whole image: the parent snapshot's

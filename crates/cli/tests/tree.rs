@@ -508,3 +508,163 @@ fn test_a_branch_sleeps_in_s3_and_wakes_lazily_with_an_empty_cache() {
     h.ok(&["rm", "--force", "s"]);
     h.ok(&["rm", "--force", "s2"]);
 }
+
+/// Reads a vm's whole disk through its chain with qemu-img (-U: the vm
+/// holds it open; a micro guest never writes it).
+fn disk_contents(h: &Home, vm: &str, dir: &std::path::Path) -> Vec<u8> {
+    let out = dir.join(format!("{vm}.flat.raw"));
+    let _ = std::fs::remove_file(&out);
+    let st = std::process::Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(h.top(vm))
+        .arg(&out)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success(), "qemu-img convert of {vm}'s disk");
+    let v = std::fs::read(&out).expect("flat disk");
+    std::fs::remove_file(&out).expect("rm flat disk");
+    v
+}
+
+fn sleep_json(h: &Home, vm: &str) -> serde_json::Value {
+    let out = h.ok(&["sleep", vm, "--json"]);
+    let s: serde_json::Value = serde_json::from_str(&out).expect("sleep --json");
+    eprintln!(
+        "sleep {vm}: store {:.0} ms, total {:.0} ms, disks {}",
+        s["store_ms"].as_f64().unwrap_or(0.0),
+        s["total_ms"].as_f64().unwrap_or(0.0),
+        s["disks"]
+    );
+    s
+}
+
+#[test]
+fn test_a_woken_vm_sleeps_its_disk_as_a_diff_and_it_round_trips() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("tree-disk");
+    let dir = TempDir::new("tree-disk");
+    // 128 MiB of random data, so neither dedup nor zero windows hide a
+    // whole read.
+    const SIZE: u64 = 128 << 20;
+    let base = dir.path().join("data.raw");
+    let mut data = vec![0u8; SIZE as usize];
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for c in data.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(&base, &data).expect("write base");
+    h.ok(&[
+        "run",
+        "--name",
+        "m",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "64M",
+        "--disk",
+        base.to_str().expect("utf8"),
+    ]);
+    ask(&h, "m", "ping", "PONG");
+
+    // First sleep: no parent, the whole disk is read.
+    let s1 = sleep_json(&h, "m");
+    assert!(s1["parent"].is_null(), "{s1}");
+    assert_eq!(s1["disks"][0]["diff"], false, "{s1}");
+    assert_eq!(s1["disks"][0]["read_bytes"], SIZE, "{s1}");
+    // The store holds it now: the original base goes away.
+    std::fs::remove_file(&base).expect("rm base");
+
+    // Woken and put to sleep again: the chain bottoms out at the first
+    // snapshot's materialized disk and nothing above it maps a cluster,
+    // so nothing of the disk is read.
+    h.ok(&["wake", "m"]);
+    ask(&h, "m", "ping", "PONG");
+    assert!(
+        disk_contents(&h, "m", dir.path()) == data,
+        "first wake's disk"
+    );
+    let s2 = sleep_json(&h, "m");
+    assert_eq!(s2["parent"], s1["snapshot"], "{s2}");
+    assert_eq!(s2["disks"][0]["diff"], true, "{s2}");
+    assert_eq!(s2["disks"][0]["size"], SIZE, "{s2}");
+    assert_eq!(s2["disks"][0]["read_bytes"], 0, "not read in full: {s2}");
+    assert_eq!(s2["disks"][0]["logical"], 0, "{s2}");
+
+    // A fork child of a woken vm: its chain has the parent's frozen layer
+    // between its own top and the materialized disk; still a diff.
+    h.ok(&["wake", "m"]);
+    ask(&h, "m", "ping", "PONG");
+    h.ok(&["fork", "m", "--names", "f"]);
+    ask(&h, "f", "ping", "PONG");
+    let layers: serde_json::Value =
+        serde_json::from_str(&h.ok(&["disk", "layers", "f", "--json"])).expect("layers");
+    assert!(
+        layers[0].as_array().map_or(0, Vec::len) >= 3,
+        "fork child over the woken vm's frozen layer: {layers}"
+    );
+    // A micro guest cannot write its disk: qemu-io stands in for it, in
+    // the layer the fork froze (no VMM writes it; both vms read through
+    // it, and a micro guest never reads its disk, so no cache goes
+    // stale). Data, zeroes over random data, and a discard (a zero
+    // cluster over a backing file).
+    let frozen = std::path::PathBuf::from(layers[0][1]["path"].as_str().expect("path"));
+    let mode = std::fs::metadata(&frozen).expect("stat").permissions();
+    let mut w = mode.clone();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut w, 0o644);
+    std::fs::set_permissions(&frozen, w).expect("chmod");
+    let changes: [(&str, u64, u64); 3] = [
+        ("write -P 0x5a 10489856 1048576", (10 << 20) + 4096, 1 << 20),
+        ("write -z 52428800 65536", 50 << 20, 64 << 10),
+        ("discard 94371840 65536", 90 << 20, 64 << 10),
+    ];
+    for (cmd, _, _) in &changes {
+        let out = std::process::Command::new("qemu-io")
+            .args(["-f", "qcow2", "-c", cmd])
+            .arg(&frozen)
+            .output()
+            .expect("qemu-io");
+        assert!(out.status.success(), "qemu-io {cmd}: {out:?}");
+    }
+    std::fs::set_permissions(&frozen, mode).expect("chmod back");
+    let changed = disk_contents(&h, "f", dir.path());
+    assert!(changed != data, "qemu-io changed nothing");
+    assert_eq!(disk_contents(&h, "m", dir.path()), changed);
+    // The windows those clusters (64 KiB) touch.
+    let ws = store::DEFAULT_WINDOW_SIZE;
+    let mut windows: Vec<u64> = Vec::new();
+    for (_, off, len) in changes {
+        let first = off / (64 << 10) * (64 << 10);
+        let end = (off + len).div_ceil(64 << 10) * (64 << 10);
+        windows.extend(first / ws..=(end - 1) / ws);
+    }
+    windows.dedup();
+    let want = windows.len() as u64 * ws;
+
+    let sf = sleep_json(&h, "f");
+    assert_eq!(sf["parent"], s2["snapshot"], "{sf}");
+    assert_eq!(sf["disks"][0]["diff"], true, "{sf}");
+    assert_eq!(sf["disks"][0]["read_bytes"], want, "{sf}");
+
+    // The forked parent too (its new top over the same frozen layer).
+    let s3 = sleep_json(&h, "m");
+    assert_eq!(s3["parent"], s2["snapshot"], "{s3}");
+    assert_eq!(s3["disks"][0]["diff"], true, "{s3}");
+    assert_eq!(s3["disks"][0]["read_bytes"], want, "{s3}");
+
+    // Through a third wake (of the diff snapshots), the disk is byte-exact.
+    for name in ["m", "f"] {
+        h.ok(&["wake", name]);
+        ask(&h, name, "ping", "PONG");
+        assert!(
+            disk_contents(&h, name, dir.path()) == changed,
+            "{name}: the disk did not round-trip"
+        );
+    }
+    let v = h.ok(&["store", "verify"]);
+    assert!(v.contains("0 missing, 0 corrupt"), "{v}");
+}
