@@ -82,17 +82,30 @@ fn running(h: &Home) -> Vec<String> {
         .collect()
 }
 
+/// Runs micro guest `image` as `name` and waits for its line starting
+/// with `ready`.
+fn start(h: &Home, name: &str, image: &str, ready: &str) {
+    h.ok(&["run", "--name", name, "--image", image, "--mem", "256M"]);
+    wait_line(h, name, 0, |l| l.starts_with(ready));
+}
+
 fn start_counter(h: &Home, name: &str) {
-    h.ok(&[
-        "run",
-        "--name",
-        name,
-        "--image",
-        "micro-counter",
-        "--mem",
-        "256M",
-    ]);
-    wait_line(h, name, 0, |l| l.starts_with("CNT 3"));
+    start(h, name, "micro-counter", "CNT 3");
+}
+
+fn start_memtouch(h: &Home, name: &str) {
+    start(h, name, "micro-memtouch", "READY");
+}
+
+/// Writes the first `mib` MiB of memtouch `vm`'s region with `seed`;
+/// returns the region's checksum.
+fn touch(h: &Home, vm: &str, mib: u32, seed: u32) -> String {
+    sum_of(&ask(h, vm, &format!("touch {mib} {seed}"), "TOUCHED"))
+}
+
+/// The checksum of the first `mib` MiB of memtouch `vm`'s region.
+fn sum(h: &Home, vm: &str, mib: u32) -> String {
+    sum_of(&ask(h, vm, &format!("sum {mib}"), "SUM"))
 }
 
 #[test]
@@ -147,42 +160,17 @@ fn test_memory_written_in_one_vm_is_invisible_to_the_others() {
         return;
     }
     let h = Home::new("forkmem");
-    h.ok(&[
-        "run",
-        "--name",
-        "m",
-        "--image",
-        "micro-memtouch",
-        "--mem",
-        "256M",
-    ]);
-    wait_line(&h, "m", 0, |l| l.starts_with("READY"));
-    let base = sum_of(&ask(&h, "m", "touch 8 1", "TOUCHED"));
+    start_memtouch(&h, "m");
+    let base = touch(&h, "m", 8, 1);
     fork_json(&h, &["m", "--names", "a,b"]);
-    let a = sum_of(&ask(&h, "a", "touch 8 2", "TOUCHED"));
+    let a = touch(&h, "a", 8, 2);
     assert_ne!(a, base);
-    assert_eq!(
-        sum_of(&ask(&h, "a", "sum 8", "SUM")),
-        a,
-        "a sees its own write"
-    );
-    assert_eq!(
-        sum_of(&ask(&h, "b", "sum 8", "SUM")),
-        base,
-        "b must not see a's write"
-    );
-    assert_eq!(
-        sum_of(&ask(&h, "m", "sum 8", "SUM")),
-        base,
-        "the parent must not see a's write"
-    );
-    let m2 = sum_of(&ask(&h, "m", "touch 8 3", "TOUCHED"));
-    assert_eq!(
-        sum_of(&ask(&h, "b", "sum 8", "SUM")),
-        base,
-        "b must not see the parent's write"
-    );
-    assert_eq!(sum_of(&ask(&h, "a", "sum 8", "SUM")), a);
+    assert_eq!(sum(&h, "a", 8), a, "a sees its own write");
+    assert_eq!(sum(&h, "b", 8), base, "b must not see a's write");
+    assert_eq!(sum(&h, "m", 8), base, "the parent must not see a's write");
+    let m2 = touch(&h, "m", 8, 3);
+    assert_eq!(sum(&h, "b", 8), base, "b must not see the parent's write");
+    assert_eq!(sum(&h, "a", 8), a);
     assert_ne!(m2, base);
 }
 
@@ -192,36 +180,22 @@ fn test_forks_nest_three_levels_deep() {
         return;
     }
     let h = Home::new("forkdeep");
-    h.ok(&[
-        "run",
-        "--name",
-        "g0",
-        "--image",
-        "micro-memtouch",
-        "--mem",
-        "256M",
-    ]);
-    wait_line(&h, "g0", 0, |l| l.starts_with("READY"));
-    let mut sums = vec![sum_of(&ask(&h, "g0", "touch 4 10", "TOUCHED"))];
+    start_memtouch(&h, "g0");
+    let mut sums = vec![touch(&h, "g0", 4, 10)];
     for level in 1..=3 {
         let parent = format!("g{}", level - 1);
         let child = format!("g{level}");
         fork_json(&h, &[&parent, "--names", &child]);
         // The child sees what its parent wrote, then writes its own.
         assert_eq!(
-            sum_of(&ask(&h, &child, "sum 4", "SUM")),
+            sum(&h, &child, 4),
             sums[level - 1],
             "{child} sees {parent}'s memory"
         );
-        sums.push(sum_of(&ask(
-            &h,
-            &child,
-            &format!("touch 4 {}", 10 + level),
-            "TOUCHED",
-        )));
+        sums.push(touch(&h, &child, 4, 10 + level as u32));
     }
     for (level, s) in sums.iter().enumerate() {
-        assert_eq!(&sum_of(&ask(&h, &format!("g{level}"), "sum 4", "SUM")), s);
+        assert_eq!(&sum(&h, &format!("g{level}"), 4), s);
     }
     assert_eq!(running(&h).len(), 4);
 }
@@ -251,26 +225,17 @@ fn test_rollback_restores_memory_and_counter() {
         return;
     }
     let h = Home::new("rollback");
-    h.ok(&[
-        "run",
-        "--name",
-        "m",
-        "--image",
-        "micro-memtouch",
-        "--mem",
-        "256M",
-    ]);
-    wait_line(&h, "m", 0, |l| l.starts_with("READY"));
-    let at_checkpoint = sum_of(&ask(&h, "m", "touch 8 1", "TOUCHED"));
+    start_memtouch(&h, "m");
+    let at_checkpoint = touch(&h, "m", 8, 1);
     h.ok(&["checkpoint", "m", "--tag", "t1"]);
-    let later = sum_of(&ask(&h, "m", "touch 8 2", "TOUCHED"));
+    let later = touch(&h, "m", 8, 2);
     assert_ne!(later, at_checkpoint);
     h.ok(&["rollback", "m", "t1"]);
-    assert_eq!(sum_of(&ask(&h, "m", "sum 8", "SUM")), at_checkpoint);
+    assert_eq!(sum(&h, "m", 8), at_checkpoint);
     // A checkpoint can be returned to again.
-    ask(&h, "m", "touch 8 5", "TOUCHED");
+    touch(&h, "m", 8, 5);
     h.ok(&["rollback", "m", "t1"]);
-    assert_eq!(sum_of(&ask(&h, "m", "sum 8", "SUM")), at_checkpoint);
+    assert_eq!(sum(&h, "m", 8), at_checkpoint);
     assert!(h.ok(&["checkpoints", "m"]).contains("t1"));
 
     start_counter(&h, "c");
@@ -296,22 +261,13 @@ fn test_snapshot_restores_in_a_new_process_and_round_trips() {
     let dir = TempDir::new("snapdir");
     let s1 = dir.path().join("s1");
     let s2 = dir.path().join("s2");
-    h.ok(&[
-        "run",
-        "--name",
-        "m",
-        "--image",
-        "micro-memtouch",
-        "--mem",
-        "256M",
-    ]);
-    wait_line(&h, "m", 0, |l| l.starts_with("READY"));
-    let sum = sum_of(&ask(&h, "m", "touch 8 7", "TOUCHED"));
+    start_memtouch(&h, "m");
+    let written = touch(&h, "m", 8, 7);
     h.ok(&["snapshot", "m", "--to", s1.to_str().expect("utf8")]);
     // The vm runs on while and after the snapshot is written.
     ask(&h, "m", "ping", "PONG");
     h.ok(&["run", "--name", "r", "--from", s1.to_str().expect("utf8")]);
-    assert_eq!(sum_of(&ask(&h, "r", "sum 8", "SUM")), sum);
+    assert_eq!(sum(&h, "r", 8), written);
     assert!(!console(&h, "r").contains("READY"), "restored, not booted");
 
     // Restore of the restore: snapshot r at once; memory and device state
@@ -365,17 +321,8 @@ fn test_bad_input_is_refused_and_the_parent_is_unharmed() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     assert!(err(&["fork", "nope", "-n", "1"]).contains("no vm named"));
-    h.ok(&[
-        "run",
-        "--name",
-        "m",
-        "--image",
-        "micro-memtouch",
-        "--mem",
-        "256M",
-    ]);
-    wait_line(&h, "m", 0, |l| l.starts_with("READY"));
-    let sum = sum_of(&ask(&h, "m", "touch 4 9", "TOUCHED"));
+    start_memtouch(&h, "m");
+    let written = touch(&h, "m", 4, 9);
     let e = err(&["rollback", "m", "never"]);
     assert!(e.contains("no checkpoint"), "{e}");
     let e = err(&["fork", "m", "--names", "m"]);
@@ -438,7 +385,7 @@ fn test_bad_input_is_refused_and_the_parent_is_unharmed() {
     );
 
     // Through all of it the parent is unharmed.
-    assert_eq!(sum_of(&ask(&h, "m", "sum 4", "SUM")), sum);
+    assert_eq!(sum(&h, "m", 4), written);
     h.ok(&["stop", "m"]);
     let e = err(&["fork", "m", "-n", "1"]);
     assert!(
