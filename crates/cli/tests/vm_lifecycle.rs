@@ -26,6 +26,18 @@ fn ok(home: &TempDir, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Runs `tine args`, which must fail; returns its stderr.
+fn fails(home: &TempDir, args: &[&str]) -> String {
+    let out = t(home, args);
+    assert!(!out.status.success(), "tine {args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `tine run` of micro guest `image` as `name` with 64 MiB.
+fn run_args<'a>(name: &'a str, image: &'a str) -> [&'a str; 7] {
+    ["run", "--name", name, "--image", image, "--mem", "64M"]
+}
+
 fn ls(home: &TempDir) -> Vec<serde_json::Value> {
     serde_json::from_str(&ok(home, &["ls", "--json"])).expect("ls --json is JSON")
 }
@@ -51,30 +63,8 @@ fn test_two_vms_run_list_stop_and_remove_leave_nothing() {
         return;
     }
     let home = TempDir::new("lifecycle");
-    ok(
-        &home,
-        &[
-            "run",
-            "--name",
-            "a",
-            "--image",
-            "micro-counter",
-            "--mem",
-            "64M",
-        ],
-    );
-    ok(
-        &home,
-        &[
-            "run",
-            "--name",
-            "b",
-            "--image",
-            "micro-memtouch",
-            "--mem",
-            "64M",
-        ],
-    );
+    ok(&home, &run_args("a", "micro-counter"));
+    ok(&home, &run_args("b", "micro-memtouch"));
     let rows = ls(&home);
     assert_eq!(rows.len(), 2);
     assert_eq!(field(&rows, "a", "state"), "running");
@@ -118,18 +108,7 @@ fn test_crashed_vmm_is_reported_and_cleaned() {
         return;
     }
     let home = TempDir::new("crash");
-    ok(
-        &home,
-        &[
-            "run",
-            "--name",
-            "c",
-            "--image",
-            "micro-counter",
-            "--mem",
-            "64M",
-        ],
-    );
+    ok(&home, &run_args("c", "micro-counter"));
     let pid = field(&ls(&home), "c", "pid").as_u64().expect("pid");
     // kill(1) stands in for a crash of the VMM.
     assert!(std::process::Command::new("kill")
@@ -142,12 +121,9 @@ fn test_crashed_vmm_is_reported_and_cleaned() {
         assert!(Instant::now() < deadline, "ls never reported the crash");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let out = t(&home, &["run", "--name", "c", "--image", "micro-counter"]);
-    assert!(
-        !out.status.success(),
-        "a crashed vm's name stays taken until rm"
-    );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("tine rm c"));
+    // A crashed vm's name stays taken until rm.
+    let e = fails(&home, &["run", "--name", "c", "--image", "micro-counter"]);
+    assert!(e.contains("tine rm c"), "{e}");
     ok(&home, &["rm", "c"]);
     assert!(ls(&home).is_empty());
 }
@@ -158,50 +134,22 @@ fn test_duplicate_name_and_unknown_vm_are_clear_errors() {
         return;
     }
     let home = TempDir::new("dup");
-    ok(
-        &home,
-        &[
-            "run",
-            "--name",
-            "d",
-            "--image",
-            "micro-counter",
-            "--mem",
-            "64M",
-        ],
-    );
-    let out = t(
-        &home,
-        &[
-            "run",
-            "--name",
-            "d",
-            "--image",
-            "micro-counter",
-            "--mem",
-            "64M",
-        ],
-    );
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("already running"));
+    ok(&home, &run_args("d", "micro-counter"));
+    let e = fails(&home, &run_args("d", "micro-counter"));
+    assert!(e.contains("already running"), "{e}");
     for verb in [
         &["stop", "nope"][..],
         &["rm", "nope"],
         &["console", "nope"],
         &["kill", "nope"],
     ] {
-        let out = t(&home, verb);
-        assert!(!out.status.success(), "{verb:?} on an unknown vm must fail");
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("no vm named"),
-            "{verb:?}"
-        );
+        let e = fails(&home, verb);
+        assert!(e.contains("no vm named"), "{verb:?}: {e}");
     }
-    let out = t(
+    fails(
         &home,
         &["run", "--name", "../evil", "--image", "micro-counter"],
     );
-    assert!(!out.status.success());
     ok(&home, &["rm", "--force", "d"]);
     assert!(ls(&home).is_empty());
 }
@@ -218,17 +166,7 @@ fn test_run_disk_gets_its_own_top_layer_and_bad_chains_are_refused() {
     let b = base.to_str().expect("utf8");
     ok(
         &home,
-        &[
-            "run",
-            "--name",
-            "d",
-            "--image",
-            "micro-counter",
-            "--mem",
-            "64M",
-            "--disk",
-            b,
-        ],
+        &[&run_args("d", "micro-counter")[..], &["--disk", b]].concat(),
     );
     let layers: serde_json::Value =
         serde_json::from_str(&ok(&home, &["disk", "layers", "d", "--json"])).expect("json");
@@ -262,48 +200,25 @@ fn test_run_disk_gets_its_own_top_layer_and_bad_chains_are_refused() {
         assert!(st.success());
     }
     let before = std::fs::read(&top_a).expect("read");
-    let out = t(
-        &home,
-        &[
-            "run",
-            "--name",
-            "e",
-            "--image",
-            "micro-counter",
-            "--disk",
-            top_a.to_str().expect("utf8"),
-        ],
-    );
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("cycle"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let run_e = [
+        "run",
+        "--name",
+        "e",
+        "--image",
+        "micro-counter",
+        "--disk",
+        top_a.to_str().expect("utf8"),
+    ];
+    let e = fails(&home, &run_e);
+    assert!(e.contains("cycle"), "{e}");
     assert_eq!(
         std::fs::read(&top_a).expect("read"),
         before,
         "nothing changed"
     );
     std::fs::remove_file(&top_b).expect("rm");
-    let out = t(
-        &home,
-        &[
-            "run",
-            "--name",
-            "e",
-            "--image",
-            "micro-counter",
-            "--disk",
-            top_a.to_str().expect("utf8"),
-        ],
-    );
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("no such file"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let e = fails(&home, &run_e);
+    assert!(e.contains("no such file"), "{e}");
     let out = t(
         &home,
         &[
