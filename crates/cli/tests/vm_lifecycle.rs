@@ -38,6 +38,19 @@ fn run_args<'a>(name: &'a str, image: &'a str) -> [&'a str; 7] {
     ["run", "--name", name, "--image", image, "--mem", "64M"]
 }
 
+/// `tine run` of micro-counter as `name` on `disk`, default memory.
+fn counter_on_disk<'a>(name: &'a str, disk: &'a str) -> [&'a str; 7] {
+    [
+        "run",
+        "--name",
+        name,
+        "--image",
+        "micro-counter",
+        "--disk",
+        disk,
+    ]
+}
+
 fn ls(home: &TempDir) -> Vec<serde_json::Value> {
     serde_json::from_str(&ok(home, &["ls", "--json"])).expect("ls --json is JSON")
 }
@@ -199,17 +212,9 @@ fn test_run_disk_gets_its_own_top_layer_and_bad_chains_are_refused() {
             .expect("qemu-img create");
         assert!(st.success());
     }
+    let a = top_a.to_str().expect("utf8");
     let before = std::fs::read(&top_a).expect("read");
-    let run_e = [
-        "run",
-        "--name",
-        "e",
-        "--image",
-        "micro-counter",
-        "--disk",
-        top_a.to_str().expect("utf8"),
-    ];
-    let e = fails(&home, &run_e);
+    let e = fails(&home, &counter_on_disk("e", a));
     assert!(e.contains("cycle"), "{e}");
     assert_eq!(
         std::fs::read(&top_a).expect("read"),
@@ -217,20 +222,9 @@ fn test_run_disk_gets_its_own_top_layer_and_bad_chains_are_refused() {
         "nothing changed"
     );
     std::fs::remove_file(&top_b).expect("rm");
-    let e = fails(&home, &run_e);
+    let e = fails(&home, &counter_on_disk("e", a));
     assert!(e.contains("no such file"), "{e}");
-    let out = t(
-        &home,
-        &[
-            "run",
-            "--name",
-            "e",
-            "--image",
-            "micro-counter",
-            "--disk",
-            "/nonexistent.raw",
-        ],
-    );
+    let out = t(&home, &counter_on_disk("e", "/nonexistent.raw"));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
     assert!(ls(&home).is_empty(), "no vm left behind");
     assert!(!home.path().join("vms/e").exists(), "no state left behind");
