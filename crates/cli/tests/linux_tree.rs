@@ -32,7 +32,8 @@ fn test_a_linux_guest_sleeps_and_wakes_with_its_files_and_processes() {
     exec(
         &h,
         "s",
-        "echo sleeper-data > /tmp/f && printf sleeper-disk | dd of=/dev/vda bs=4096 seek=100 conv=fsync 2>/dev/null",
+        "echo sleeper-data > /tmp/f && printf sleeper-disk | dd of=/dev/vda bs=4096 seek=100 conv=fsync 2>/dev/null \
+         && printf doomed | dd of=/dev/vda bs=4096 seek=5000 conv=fsync 2>/dev/null",
     );
     let before: u64 = exec(&h, "s", "cat /tmp/count")
         .trim()
@@ -73,11 +74,35 @@ fn test_a_linux_guest_sleeps_and_wakes_with_its_files_and_processes() {
     check("s");
     // Writes after the wake are this branch's own; sleep it again (a
     // child snapshot) and wake that lazily, under another name too.
-    exec(&h, "s", "echo second > /tmp/g");
-    h.ok(&["sleep", "s"]);
+    // The disk too: a block overwritten, a new one, one zeroed. The sleep
+    // stores the disk as a diff over the woken snapshot's (only the
+    // windows its own layers map are read).
+    exec(
+        &h,
+        "s",
+        "echo second > /tmp/g && printf second-disk | dd of=/dev/vda bs=4096 seek=300 conv=fsync 2>/dev/null \
+         && dd if=/dev/zero of=/dev/vda bs=4096 seek=5000 count=1 conv=fsync 2>/dev/null",
+    );
+    let slept: serde_json::Value =
+        serde_json::from_str(&h.ok(&["sleep", "s", "--json"])).expect("sleep --json");
+    let disk = &slept["disks"][0];
+    assert_eq!(disk["diff"], true, "{slept}");
+    assert!(
+        disk["read_bytes"].as_u64().expect("read_bytes") < disk["size"].as_u64().expect("size") / 4,
+        "a diff sleep reads the changed windows, not the disk: {slept}"
+    );
     h.ok(&["wake", "s", "--lazy"]);
     check("s");
     assert_eq!(exec(&h, "s", "cat /tmp/g").trim(), "second");
+    let blocks = exec(
+        &h,
+        "s",
+        "dd if=/dev/vda bs=4096 skip=300 count=1 2>/dev/null | head -c 11; echo; dd if=/dev/vda bs=4096 skip=5000 count=1 2>/dev/null | od -An -tx1 | grep -c '[1-9a-f]' || true",
+    );
+    assert_eq!(
+        blocks, "second-disk\n0\n",
+        "the disk's writes after a wake survive the next sleep"
+    );
     h.ok(&["sleep", "s"]);
     h.ok(&["fork", "s", "--names", "s1,s2"]);
     for c in ["s1", "s2"] {
