@@ -611,7 +611,14 @@ fn working_set_pages(dir: &Path, manifest: &Manifest) -> Option<Vec<u64>> {
 struct StoreSource {
     view: store::LayerView,
     layout: vmm::layer::RamLayout,
+    /// Chunks come from a remote backend (through the local cache).
+    remote: bool,
 }
+
+/// Prefetch requests in flight for a remote store.
+const REMOTE_PREFETCH_THREADS: usize = 16;
+/// Windows read ahead of a fault on a remote store (4 MiB).
+const REMOTE_READAHEAD: usize = 16;
 
 impl vmm::pagein::PageSource for StoreSource {
     fn fill(
@@ -630,9 +637,40 @@ impl vmm::pagein::PageSource for StoreSource {
             return Ok(vmm::pagein::Fill::Zero);
         }
         // A chunk that cannot be read (corrupt, missing) ends the vm; the
-        // error names the snapshot, window and chunk.
-        self.view.read_at(buf, off)?;
+        // error names the snapshot, window and chunk. A fill of exactly one
+        // window (the page-in unit is the window size) is read straight
+        // into `buf`, without read_at's bounce buffer.
+        if self.view.window_range(first) == (off..off + len) {
+            self.view.read_window(first, buf)?;
+        } else {
+            self.view.read_at(buf, off)?;
+        }
         Ok(vmm::pagein::Fill::Data)
+    }
+
+    /// A remote store answers each 256 KiB GET after a round trip (tens
+    /// of ms on S3), so the working set is fetched with many requests in
+    /// flight. bench/store against an S3 server taking ~35 ms per GET:
+    /// 4 threads fetched ~110 windows a second, 16 the whole 64.8 MiB
+    /// (259 windows) in 0.5-0.9 s.
+    fn prefetch_threads(&self) -> usize {
+        if self.remote {
+            REMOTE_PREFETCH_THREADS
+        } else {
+            vmm::pagein::DEFAULT_PREFETCH_THREADS
+        }
+    }
+
+    /// For the same reason a fault on a remote store reads the next
+    /// windows in the background: a guest reading on through memory no
+    /// working set covers (a cold wake, a set cut short by its window)
+    /// otherwise waits for one round trip per window.
+    fn readahead(&self) -> usize {
+        if self.remote {
+            REMOTE_READAHEAD
+        } else {
+            0
+        }
     }
 }
 
@@ -663,7 +701,15 @@ pub fn lazy_source(
             .collect(),
         window_ms: 0,
     });
-    Ok((std::sync::Arc::new(StoreSource { view, layout }), prefetch))
+    let remote = store.chunks().cache().is_some();
+    Ok((
+        std::sync::Arc::new(StoreSource {
+            view,
+            layout,
+            remote,
+        }),
+        prefetch,
+    ))
 }
 
 /// `tine wake BRANCH [--name X]`: a vm continues from the branch's

@@ -36,7 +36,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -80,7 +80,26 @@ pub trait PageSource: Send + Sync {
     /// `buf.len()` are multiples of 4 KiB and the range lies inside one
     /// RAM region. Called from the page-in threads, concurrently.
     fn fill(&self, gpa: u64, buf: &mut [u8]) -> Result<Fill, SourceError>;
+
+    /// How many fills at once the prefetch should run when
+    /// [`LazyOptions::prefetch_threads`] leaves it to the source: a
+    /// source with per-request latency (a remote store) is read faster
+    /// with more requests in flight than a local file is.
+    fn prefetch_threads(&self) -> usize {
+        DEFAULT_PREFETCH_THREADS
+    }
+
+    /// Units after a faulting one to fill in the background (on as many
+    /// threads as the prefetch) when [`LazyOptions::readahead`] leaves it
+    /// to the source: worth it where each fill waits for a round trip, so
+    /// that a guest reading on does not wait for one unit after another.
+    fn readahead(&self) -> usize {
+        0
+    }
 }
+
+/// Prefetch threads for a source that states no preference.
+pub const DEFAULT_PREFETCH_THREADS: usize = 4;
 
 /// How a lazy wake runs.
 #[derive(Clone, Debug)]
@@ -97,8 +116,13 @@ pub struct LazyOptions {
     /// while the vCPUs start.
     pub prefetch: Option<WorkingSet>,
     /// Threads filling the prefetch list, taking its units in order (a
-    /// source with latency, e.g. a remote store, is read in parallel).
+    /// source with latency, e.g. a remote store, is read in parallel);
+    /// 0: as many as the source asks for ([`PageSource::prefetch_threads`]).
     pub prefetch_threads: usize,
+    /// Units after a faulting one filled in the background (in its
+    /// region, those still missing); None: as many as the source asks
+    /// for ([`PageSource::readahead`]), 0: none.
+    pub readahead: Option<usize>,
 }
 
 impl Default for LazyOptions {
@@ -108,7 +132,8 @@ impl Default for LazyOptions {
             record_for: Duration::from_secs(5),
             working_set_out: None,
             prefetch: None,
-            prefetch_threads: 4,
+            prefetch_threads: 0,
+            readahead: None,
         }
     }
 }
@@ -163,6 +188,9 @@ pub struct PageInStats {
     pub fault_units: u64,
     /// Units filled by the prefetcher.
     pub prefetch_units: u64,
+    /// Units filled by the readahead after a fault.
+    #[serde(default)]
+    pub readahead_units: u64,
     /// Units filled by [`PageIn::make_resident`].
     pub resident_units: u64,
     /// Units the source said were zero.
@@ -218,6 +246,7 @@ const DONE: u8 = 2;
 enum Cause {
     Fault,
     Prefetch,
+    Readahead,
     Resident,
 }
 
@@ -263,6 +292,12 @@ struct Shared {
     prefetch_units_list: Vec<usize>,
     prefetch_next: AtomicUsize,
     prefetch_running: AtomicUsize,
+    /// Units after a fault to read ahead, and the queue the readahead
+    /// threads take them from, in order.
+    readahead: usize,
+    readahead_queue: Mutex<std::collections::VecDeque<usize>>,
+    readahead_cv: Condvar,
+    readahead_units: AtomicU64,
 }
 
 /// A lazily paged-in guest RAM: its userfaultfd, handler and prefetch
@@ -326,11 +361,17 @@ impl PageIn {
             Some(ws) => units_of(&regs, unit, &ws.ranges, units),
             None => Vec::new(),
         };
+        let workers = match options.prefetch_threads {
+            0 => source.prefetch_threads().max(1),
+            n => n,
+        };
         let prefetchers = if options.prefetch.is_some() {
-            options.prefetch_threads.max(1)
+            workers
         } else {
             0
         };
+        let readahead = options.readahead.unwrap_or_else(|| source.readahead());
+        let readaheaders = if readahead > 0 { workers } else { 0 };
         let shared = Arc::new(Shared {
             uffd,
             regions: regs,
@@ -362,6 +403,10 @@ impl PageIn {
             prefetch_units_list,
             prefetch_next: AtomicUsize::new(0),
             prefetch_running: AtomicUsize::new(prefetchers),
+            readahead,
+            readahead_queue: Mutex::new(std::collections::VecDeque::new()),
+            readahead_cv: Condvar::new(),
+            readahead_units: AtomicU64::new(0),
         });
         let mut threads = Vec::new();
         let s = shared.clone();
@@ -378,6 +423,15 @@ impl PageIn {
                     .name("prefetch".into())
                     .spawn(move || s.prefetch())
                     .map_err(|e| PageInError::Thread("prefetch", e))?,
+            );
+        }
+        for _ in 0..readaheaders {
+            let s = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("readahead".into())
+                    .spawn(move || s.readahead_loop())
+                    .map_err(|e| PageInError::Thread("readahead", e))?,
             );
         }
         if prefetchers == 0 {
@@ -417,6 +471,7 @@ impl PageIn {
             faults: s.faults.load(Ordering::Relaxed),
             fault_units: s.fault_units.load(Ordering::Relaxed),
             prefetch_units: s.prefetch_units.load(Ordering::Relaxed),
+            readahead_units: s.readahead_units.load(Ordering::Relaxed),
             resident_units: s.resident_units.load(Ordering::Relaxed),
             zero_units: s.zero_units.load(Ordering::Relaxed),
             fill_ms: ms(&s.fill_ns),
@@ -489,6 +544,12 @@ impl PageIn {
     fn stop_threads(&self) {
         self.shared.stop.store(true, Ordering::Release);
         let _ = self.shared.stop_evt.write(1);
+        {
+            // Under the queue's lock, so no readahead thread misses it
+            // between its check of `stop` and its wait.
+            let _q = lock(&self.shared.readahead_queue);
+            self.shared.readahead_cv.notify_all();
+        }
         for t in std::mem::take(&mut *lock(&self.threads)) {
             let _ = t.join();
         }
@@ -548,6 +609,7 @@ impl Shared {
                     continue;
                 }
                 self.record(u);
+                self.queue_readahead(u);
                 self.serve(u, Cause::Fault, &mut buf);
                 if lock(&self.error).is_some() && lock(&self.exit).is_none() {
                     self.unblock(u);
@@ -577,6 +639,63 @@ impl Shared {
             self.prefetch_ns
                 .store(self.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             self.prefetch_done.store(true, Ordering::Release);
+        }
+    }
+
+    /// Queues the units after `u` (in its region, still missing) for the
+    /// readahead threads; older entries beyond a few faults' worth are
+    /// dropped (the guest has moved on).
+    fn queue_readahead(&self, u: usize) {
+        if self.readahead == 0 {
+            return;
+        }
+        let Some(r) = self.regions.iter().rev().find(|r| r.first_unit <= u) else {
+            return;
+        };
+        let end = r.first_unit + r.len.div_ceil(self.unit) as usize;
+        let mut q = lock(&self.readahead_queue);
+        let mut added = false;
+        for v in (u + 1..end).take(self.readahead) {
+            if self.units[v].load(Ordering::Acquire) == MISSING {
+                q.push_back(v);
+                added = true;
+            }
+        }
+        while q.len() > 4 * self.readahead {
+            q.pop_front();
+        }
+        if added {
+            self.readahead_cv.notify_all();
+        }
+    }
+
+    /// One readahead thread: fills queued units until the page-in stops.
+    /// A unit it fills while the recording window is open joins the
+    /// working set (the guest does not fault on it, so whether it is used
+    /// is unknown; the set may hold a few units past where a read ended).
+    fn readahead_loop(&self) {
+        let mut buf = vec![0u8; self.unit as usize];
+        loop {
+            let next = {
+                let mut q = lock(&self.readahead_queue);
+                loop {
+                    if self.stop.load(Ordering::Acquire) || lock(&self.error).is_some() {
+                        return;
+                    }
+                    if let Some(v) = q.pop_front() {
+                        break v;
+                    }
+                    q = self
+                        .readahead_cv
+                        .wait_timeout(q, Duration::from_millis(100))
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|e| e.into_inner().0);
+                }
+            };
+            if self.units[next].load(Ordering::Acquire) == MISSING {
+                self.record(next);
+                self.serve(next, Cause::Readahead, &mut buf);
+            }
         }
     }
 
@@ -660,6 +779,7 @@ impl Shared {
         match cause {
             Cause::Fault => &self.fault_units,
             Cause::Prefetch => &self.prefetch_units,
+            Cause::Readahead => &self.readahead_units,
             Cause::Resident => &self.resident_units,
         }
         .fetch_add(1, Ordering::Relaxed);
