@@ -44,9 +44,8 @@ pub struct Vsock {
     pub(super) active: Option<ActiveQueues<NUM_QUEUES>>,
     pub(super) queue_evts_registered: bool,
     tx_stalled: bool,
-    /// A restore happened: the driver must drop its connections
-    /// (VIRTIO_VSOCK_EVENT_TRANSPORT_RESET) once an event buffer is there.
-    pub(super) reset_pending: bool,
+    /// Where the transport reset of a restore stands (see [`Reset`]).
+    pub(super) reset: Reset,
     uds_path: PathBuf,
     /// (device, inode) of the socket file we bound, to remove it on drop
     /// only if it is still ours.
@@ -87,7 +86,7 @@ impl Vsock {
             active: None,
             queue_evts_registered: false,
             tx_stalled: false,
-            reset_pending: false,
+            reset: Reset::None,
             uds_path,
             uds_id,
         })
@@ -119,7 +118,7 @@ impl Vsock {
     /// does after a snapshot restore. Waits for an event buffer if the
     /// driver has none posted.
     pub(super) fn send_transport_reset(&mut self) {
-        if !self.reset_pending {
+        if self.reset != Reset::Pending {
             return;
         }
         let Some(ActiveQueues {
@@ -143,14 +142,43 @@ impl Vsock {
                 len = 4;
             }
         }
-        if len == 0 {
-            warn!("vsock: the driver's event buffer is unusable; transport reset not sent");
-        }
+        // The driver posts an event buffer again once it has handled this
+        // one; until its avail index moves past this, no rx goes out. Read
+        // before the buffer is returned: a running driver may answer at once.
+        let posted = queue
+            .avail_idx(&*mem, std::sync::atomic::Ordering::Acquire)
+            .map(|w| w.0);
+        self.reset = match (len, posted) {
+            (4, Ok(posted)) => Reset::Sent { posted },
+            _ => {
+                warn!("vsock: the driver's event buffer is unusable; transport reset not sent");
+                Reset::None
+            }
+        };
         if let Err(e) = queue.add_used(&*mem, head, len) {
             warn!("vsock: cannot return event buffer: {e}");
         }
         raise_vring(interrupt, DEV);
-        self.reset_pending = false;
+    }
+
+    /// After a transport reset went out: whether the driver has handled
+    /// it (it posted an event buffer since). Then rx flows again.
+    pub(super) fn check_reset_handled(&mut self) -> bool {
+        let Reset::Sent { posted } = self.reset else {
+            return false;
+        };
+        let Some(ActiveQueues { mem, queues, .. }) = self.active.as_ref() else {
+            return false;
+        };
+        let now = queues[EVQ]
+            .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+            .map(|w| w.0)
+            .unwrap_or(posted);
+        if now == posted {
+            return false;
+        }
+        self.reset = Reset::None;
+        true
     }
 
     /// Moves packets between the queues and the muxer until nothing more
@@ -162,6 +190,20 @@ impl Vsock {
         let mut used = false;
         if tx_first {
             used |= self.process_tx(ops);
+        }
+        // Nothing reaches the guest between a restore and the driver's
+        // handling of the transport reset: the driver resets every socket
+        // it has then, so a connection the host opened meanwhile (a fork
+        // child's wake) would die with them. Linux serves the rx queue's
+        // interrupt before the event queue's, so the order of the used
+        // rings alone does not protect it.
+        if self.reset != Reset::None {
+            if used {
+                if let Some(active) = &self.active {
+                    raise_vring(&active.interrupt, DEV);
+                }
+            }
+            return;
         }
         for _ in 0..MAX_ROUNDS {
             used |= self.process_rx(ops);
@@ -332,7 +374,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn restored(&mut self) {
-        self.reset_pending = true;
+        self.reset = Reset::Pending;
     }
 
     fn save_extra(&self) -> Option<serde_json::Value> {
@@ -348,6 +390,17 @@ impl VirtioDevice for Vsock {
         self.muxer.set_next_local_port(s.next_local_port);
         Ok(())
     }
+}
+
+/// The transport reset a restored vsock owes its driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reset {
+    /// None owed (a booted vm, or the driver has handled it).
+    None,
+    /// To send once the driver has an event buffer posted.
+    Pending,
+    /// Sent; the event queue's avail index was `posted` then.
+    Sent { posted: u16 },
 }
 
 /// The vsock's own saved state: where host port numbering continues

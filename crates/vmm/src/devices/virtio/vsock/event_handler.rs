@@ -80,6 +80,9 @@ impl MutEventSubscriber for Vsock {
             EVENT_EVQ => {
                 self.drain_queue_evt(EVQ);
                 self.send_transport_reset();
+                if self.check_reset_handled() {
+                    self.run_queues(ops, false);
+                }
             }
             EVENT_LISTENER => {
                 self.muxer.handle_listener(ops);

@@ -41,6 +41,8 @@ const TX_SLOTS: u64 = 64;
 const GUEST_CID: u64 = 3;
 const GUEST_BUF_ALLOC: u32 = 64 * 1024;
 const MIB: usize = 1 << 20;
+/// The driver's event buffer (struct virtio_vsock_event, 4 bytes).
+const EV_BUF: u64 = 0x1F0_0000;
 
 type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
 
@@ -149,6 +151,7 @@ struct Rig<'a> {
     dev: Arc<Mutex<Vsock>>,
     rx: Ring<'a>,
     tx: Ring<'a>,
+    ev: Ring<'a>,
     kicks: Vec<EventFd>,
     irq: Arc<Interrupt>,
     rx_slots: HashMap<u16, u64>,
@@ -205,6 +208,7 @@ impl<'a> Rig<'a> {
             dev,
             rx,
             tx,
+            ev,
             kicks,
             irq,
             rx_slots: HashMap::new(),
@@ -881,4 +885,40 @@ fn test_vsock_restored_device_never_reuses_a_saved_host_port() {
         .restore_extra(&serde_json::json!({"next_local_port": "x"}))
         .unwrap_err();
     assert!(err.contains("vsock state"), "{err}");
+}
+
+/// After a restore the driver resets every socket when it handles the
+/// transport reset; Linux serves the rx interrupt first, so a connection
+/// the host opened meanwhile (a fork child's wake) would be killed. The
+/// device holds rx until the driver posted its event buffer again.
+#[test]
+fn test_vsock_restored_device_holds_rx_until_the_driver_handled_the_reset() {
+    let mem = new_mem();
+    let mut rig = Rig::new(&mem);
+    rig.dev.lock().unwrap().restored();
+    rig.post_rx_all();
+    rig.ev.push(&[(EV_BUF, 8, true)]);
+    rig.kicks[super::device::EVQ].write(1).unwrap();
+    rig.pump(10);
+    let (_, len) = rig.ev.pop_used().expect("the transport reset went out");
+    assert_eq!(len, 4);
+    assert_eq!(mem.read_obj::<u32>(GuestAddress(EV_BUF)).unwrap(), 0);
+
+    let mut host = UnixStream::connect(&rig.uds).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 10000\n").unwrap();
+    rig.pump(50);
+    assert!(
+        rig.recv().is_empty(),
+        "nothing reaches the guest before its driver handled the reset"
+    );
+
+    // The driver handled it and posts its event buffer again.
+    rig.ev.push(&[(EV_BUF, 8, true)]);
+    rig.kicks[super::device::EVQ].write(1).unwrap();
+    let req = rig.expect_one();
+    assert_eq!((req.op, req.dst_port), (OP_REQUEST, 10000));
+    rig.send(&hdr(10000, req.src_port, OP_RESPONSE), &[]);
+    rig.pump(5);
+    assert_eq!(read_line(&mut host), format!("OK {}", req.src_port));
 }
