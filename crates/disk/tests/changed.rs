@@ -20,6 +20,21 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// An empty qcow2 overlay at `path` over `backing` (of format `fmt`).
+fn overlay(backing: &Path, fmt: &str, path: &Path) {
+    qemu_img_ok(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        s(backing),
+        "-F",
+        fmt,
+        s(path),
+    ]);
+}
+
 fn qemu_io(img: &Path, cmd: &str) {
     let out = Command::new("qemu-io")
         .args(["-f", "qcow2", "-c", cmd, s(img)])
@@ -72,17 +87,7 @@ fn qemu_written_data_zeroes_and_discards_are_listed() {
     let base = d.join("base.raw");
     let base_data = make_raw_base(&base, (16 * MIB) as usize, 3);
     let l1 = d.join("l1.qcow2");
-    qemu_img_ok(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&base),
-        "-F",
-        "raw",
-        s(&l1),
-    ]);
+    overlay(&base, "raw", &l1);
     // Nothing written yet: nothing differs.
     assert_eq!(ranges(&l1, 1), vec![]);
 
@@ -241,17 +246,7 @@ fn qcow2_base_compressed_clusters_count_as_changed() {
     qemu_img_ok(&["create", "-q", "-f", "qcow2", s(&base), "4M"]);
     qemu_io(&base, "write -P 0x11 0 4M");
     let mid = d.join("mid.qcow2");
-    qemu_img_ok(&[
-        "create",
-        "-q",
-        "-f",
-        "qcow2",
-        "-b",
-        s(&base),
-        "-F",
-        "qcow2",
-        s(&mid),
-    ]);
+    overlay(&base, "qcow2", &mid);
     // A compressed cluster (qemu-io write -c) in the layer above the base.
     qemu_io(&mid, "write -c -P 0x22 2097152 65536");
     check(&mid);
