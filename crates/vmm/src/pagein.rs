@@ -418,21 +418,11 @@ impl PageIn {
         );
         for _ in 0..prefetchers {
             let s = shared.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name("prefetch".into())
-                    .spawn(move || s.prefetch())
-                    .map_err(|e| PageInError::Thread("prefetch", e))?,
-            );
+            threads.push(spawn("prefetch", move || s.prefetch())?);
         }
         for _ in 0..readaheaders {
             let s = shared.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name("readahead".into())
-                    .spawn(move || s.readahead_loop())
-                    .map_err(|e| PageInError::Thread("readahead", e))?,
-            );
+            threads.push(spawn("readahead", move || s.readahead_loop())?);
         }
         if prefetchers == 0 {
             shared.prefetch_done.store(true, Ordering::Release);
@@ -1058,4 +1048,15 @@ pub enum LazyRestoreError {
     PageIn(#[from] PageInError),
     #[error(transparent)]
     Build(#[from] crate::builder::BuildError),
+}
+
+/// Starts one of the page-in's named threads.
+fn spawn(
+    name: &'static str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<JoinHandle<()>, PageInError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| PageInError::Thread(name, e))
 }
