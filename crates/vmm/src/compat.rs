@@ -51,6 +51,7 @@ pub fn host_compat(kvm_path: &Path) -> Result<HostCompat, CompatCollectError> {
     let mut cpuid: Vec<CpuidEntry> = supported.as_slice().iter().map(entry).collect();
     let probe = probe_vcpu(&kvm, &supported)?;
     merge_features(&mut cpuid, &probe.cpuid);
+    clear_apic_ids(&mut cpuid);
     let msrs = kvm
         .get_msr_index_list()
         .map_err(|e| CompatCollectError::Kvm("KVM_GET_MSR_INDEX_LIST", e))?
@@ -71,6 +72,21 @@ pub fn host_compat(kvm_path: &Path) -> Result<HostCompat, CompatCollectError> {
         caps,
         tsc_khz: probe.tsc_khz,
     })
+}
+
+/// Zeroes the APIC ID fields (leaf 1 EBX[31:24], the x2APIC ID in EDX of
+/// leaves 0xB and 0x1F). PVM passes the physical CPU's CPUID through, so
+/// they name whichever core the caller ran on and two reads of one host
+/// would differ; tine sets them per vCPU anyway, so they say nothing about
+/// what the host offers.
+fn clear_apic_ids(cpuid: &mut [CpuidEntry]) {
+    for e in cpuid {
+        match e.function {
+            1 => e.ebx &= 0x00ff_ffff,
+            0xb | 0x1f => e.edx = 0,
+            _ => {}
+        }
+    }
 }
 
 /// What a new vCPU here reports.

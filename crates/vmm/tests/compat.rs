@@ -50,6 +50,30 @@ fn saved_compat() -> (Compat, HostCompat) {
     (compat, host)
 }
 
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is this thread; `set` is a valid cpu_set_t of the given size.
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    assert_eq!(rc, 0, "sched_getaffinity");
+    // SAFETY: CPU_ISSET reads `set` within CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
+/// Pins the calling thread to `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` came from CPU_ISSET, so it is below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pid 0 is this thread; `set` is a valid cpu_set_t of the given size.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    assert_eq!(rc, 0, "sched_setaffinity to CPU {cpu}");
+}
+
 #[test]
 fn test_host_compat_reads_this_host() {
     let started = Instant::now();
@@ -59,6 +83,17 @@ fn test_host_compat_reads_this_host() {
     let again = host_compat(Path::new(KVM)).expect("host compat");
     let second = started.elapsed();
     assert_eq!(again, host, "the host's offer is stable");
+    // Read on every CPU: PVM passes the physical CPU's CPUID (its APIC ID)
+    // through, and the offer must not depend on where the caller ran.
+    for cpu in allowed_cpus() {
+        let on_cpu = std::thread::spawn(move || {
+            pin_to(cpu);
+            host_compat(Path::new(KVM)).expect("host compat")
+        })
+        .join()
+        .expect("pinned read");
+        assert_eq!(on_cpu, host, "the host's offer read on CPU {cpu}");
+    }
     println!(
         "host_compat took {first:?} (again {second:?}): {} on Linux {}, {} CPUID entries, {} MSRs, caps {:?}",
         host.cpu_vendor,
