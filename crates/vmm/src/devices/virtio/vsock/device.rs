@@ -15,7 +15,7 @@ use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::{read_tx_packet, PacketError, RxBuffer};
-use super::unix::VsockMuxer;
+use super::unix::{Unanswered, VsockMuxer};
 use super::{VsockConfig, VsockError};
 use crate::devices::virtio::device_common::{raise_vring, ActiveQueues, DeviceBase};
 use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
@@ -179,6 +179,33 @@ impl Vsock {
         }
         self.reset = Reset::None;
         true
+    }
+
+    /// Reports a host connection whose client stopped waiting for the
+    /// guest's answer, with what says why it got none: whether the
+    /// OP_REQUEST reached the guest, the rx queue's indices, the reset.
+    pub(super) fn report_unanswered(&self, u: &Unanswered) {
+        let rx = self.active.as_ref().map(|a| {
+            let q = &a.queues[RXQ];
+            let avail = q
+                .avail_idx(&a.mem, std::sync::atomic::Ordering::Acquire)
+                .map(|w| w.0);
+            (q.next_avail(), avail, q.next_used(), a.interrupt.status())
+        });
+        warn!(
+            "vsock: the host stopped waiting for guest port {} (host port {}) after {:.1} s: \
+             the request {}; rx queue (next avail, avail idx, next used, interrupt status) {rx:?}; \
+             transport reset {:?}",
+            u.key.peer_port,
+            u.key.local_port,
+            u.waited.as_secs_f64(),
+            if u.delivered {
+                "reached the guest, which did not answer"
+            } else {
+                "never reached the guest (no rx buffer, or rx held back)"
+            },
+            self.reset,
+        );
     }
 
     /// Moves packets between the queues and the muxer until nothing more

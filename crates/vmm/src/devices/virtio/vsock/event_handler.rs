@@ -89,7 +89,12 @@ impl MutEventSubscriber for Vsock {
                 self.run_queues(ops, false);
             }
             EVENT_CONN => {
-                self.muxer.handle_fd_event(events.fd(), ops);
+                if let Some(u) = self
+                    .muxer
+                    .handle_fd_event(events.fd(), events.event_set(), ops)
+                {
+                    self.report_unanswered(&u);
+                }
                 self.run_queues(ops, false);
             }
             other => warn!("vsock: unexpected event {other}"),

@@ -573,6 +573,38 @@ fn test_vsock_host_connect_refused_by_guest_closes_stream() {
 }
 
 #[test]
+fn test_vsock_host_giving_up_on_a_silent_guest_frees_the_connection() {
+    let mem = new_mem();
+    let mut rig = Rig::new(&mem);
+    // A request that never found an rx buffer: once its client is gone,
+    // the guest gets only the RST when it posts buffers.
+    let mut host = UnixStream::connect(&rig.uds).unwrap();
+    host.write_all(b"CONNECT 10000\n").unwrap();
+    rig.pump(5);
+    assert_eq!(rig.conns(), 1);
+    drop(host);
+    rig.pump(5);
+    assert_eq!(rig.conns(), 0);
+    rig.post_rx_all();
+    assert_eq!(rig.expect_one().op, OP_RST);
+
+    // Many clients time out on a guest that never answers: each is
+    // dropped (and the guest told), so they cannot fill the table.
+    for _ in 0..3 {
+        let mut host = UnixStream::connect(&rig.uds).unwrap();
+        host.write_all(b"CONNECT 10000\n").unwrap();
+        let req = rig.expect_one();
+        assert_eq!(req.op, OP_REQUEST);
+        assert_eq!(rig.conns(), 1);
+        drop(host);
+        let rst = rig.expect_one();
+        assert_eq!(rst.op, OP_RST);
+        assert_eq!((rst.src_port, rst.dst_port), (req.src_port, 10000));
+        assert_eq!(rig.conns(), 0);
+    }
+}
+
+#[test]
 fn test_vsock_request_to_unbound_port_gets_rst() {
     let mem = new_mem();
     let mut rig = Rig::new(&mem);

@@ -24,6 +24,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use event_manager::{EventOps, EventSet, Events};
 use tracing::{debug, warn};
@@ -62,8 +63,10 @@ pub struct ConnKey {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ConnState {
-    /// Host-initiated, OP_REQUEST sent, waiting for the guest's OP_RESPONSE.
-    LocalInit,
+    /// Host-initiated, waiting for the guest's OP_RESPONSE to our
+    /// OP_REQUEST (queued at the instant, and `delivered` once it went
+    /// into an rx buffer).
+    LocalInit { since: Instant, delivered: bool },
     /// Both sides agreed; bytes flow.
     Established,
 }
@@ -142,6 +145,10 @@ impl Connection {
     }
 
     fn wanted_events(&self) -> EventSet {
+        if matches!(self.state, ConnState::LocalInit { .. }) {
+            // Only to notice a host client that gives up waiting.
+            return EventSet::READ_HANG_UP;
+        }
         let mut set = EventSet::empty();
         if self.can_send_to_guest() && !self.rx_pending {
             set |= EventSet::IN;
@@ -172,6 +179,18 @@ impl Connection {
         }
         Ok(())
     }
+}
+
+/// A host connection closed by its client before the guest answered the
+/// OP_REQUEST: the client's handshake timed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unanswered {
+    pub key: ConnKey,
+    /// Since the OP_REQUEST was queued.
+    pub waited: Duration,
+    /// Whether the OP_REQUEST went into an rx buffer (else the guest never
+    /// posted one, or rx was held back).
+    pub delivered: bool,
 }
 
 /// A control packet waiting for an rx buffer; its credit fields are filled
@@ -312,10 +331,34 @@ impl VsockMuxer {
     }
 
     /// Handles readiness of a connection socket (pending or established).
-    pub fn handle_fd_event(&mut self, fd: RawFd, ops: &mut EventOps) {
+    /// Returns what is known of a host connection that gave up waiting for
+    /// the guest's answer, for the device to report.
+    pub fn handle_fd_event(
+        &mut self,
+        fd: RawFd,
+        events: EventSet,
+        ops: &mut EventOps,
+    ) -> Option<Unanswered> {
         if self.pending.contains_key(&fd) {
             self.handle_pending(fd, ops);
         } else if let Some(&key) = self.fd_keys.get(&fd) {
+            if let Some(Connection {
+                state: ConnState::LocalInit { since, delivered },
+                ..
+            }) = self.conns.get(&key)
+            {
+                if !events.intersects(EventSet::READ_HANG_UP | EventSet::HANG_UP) {
+                    return None;
+                }
+                let gave_up = Unanswered {
+                    key,
+                    waited: since.elapsed(),
+                    delivered: *delivered,
+                };
+                // The guest may still hold a half-open socket for it.
+                self.kill(key, true, ops);
+                return Some(gave_up);
+            }
             if let Some(conn) = self.conns.get_mut(&key) {
                 let registered = conn.registered.unwrap_or(EventSet::empty());
                 if registered.contains(EventSet::IN) && !conn.rx_pending {
@@ -327,6 +370,7 @@ impl VsockMuxer {
         } else {
             warn!("vsock: event on unknown fd {fd}");
         }
+        None
     }
 
     fn handle_pending(&mut self, fd: RawFd, ops: &mut EventOps) {
@@ -380,11 +424,11 @@ impl VsockMuxer {
             warn!("vsock: cannot unregister host connection: {e:?}");
         }
         if let Some(port) = port {
-            self.host_connect(p.stream, port);
+            self.host_connect(p.stream, port, ops);
         }
     }
 
-    fn host_connect(&mut self, stream: UnixStream, peer_port: u32) {
+    fn host_connect(&mut self, stream: UnixStream, peer_port: u32, ops: &mut EventOps) {
         let key = loop {
             let local_port = self.next_local_port;
             self.next_local_port = self
@@ -404,8 +448,13 @@ impl VsockMuxer {
             key.local_port
         );
         self.fd_keys.insert(stream.as_raw_fd(), key);
-        self.conns
-            .insert(key, Connection::new(stream, ConnState::LocalInit, 0, 0));
+        let state = ConnState::LocalInit {
+            since: Instant::now(),
+            delivered: false,
+        };
+        let mut conn = Connection::new(stream, state, 0, 0);
+        sync_interest(&mut conn, ops);
+        self.conns.insert(key, conn);
         self.ctrl.push_back(CtrlPkt {
             key,
             op: OP_REQUEST,
@@ -507,7 +556,7 @@ impl VsockMuxer {
                 self.kill(key, false, ops);
                 return;
             }
-            (ConnState::LocalInit, OP_RESPONSE) => {
+            (ConnState::LocalInit { .. }, OP_RESPONSE) => {
                 conn.state = ConnState::Established;
                 let line = format!("OK {}\n", key.local_port);
                 conn.tx_prefix = line.len();
@@ -634,6 +683,9 @@ impl VsockMuxer {
                     hdr.buf_alloc = CONN_BUF_ALLOC;
                     hdr.fwd_cnt = conn.fwd_cnt;
                     conn.last_sent_fwd_cnt = conn.fwd_cnt;
+                    if let ConnState::LocalInit { delivered, .. } = &mut conn.state {
+                        *delivered = true;
+                    }
                     if c.op == OP_CREDIT_UPDATE {
                         conn.credit_update_queued = false;
                     }
