@@ -70,6 +70,10 @@ pub enum ClientError {
     /// Firecracker-style `CONNECT <port>` handshake failed.
     #[error("vsock handshake for port {port} failed: {reason}")]
     Handshake { port: u32, reason: String },
+    /// The VMM took the `CONNECT` but no `OK` came back in time: the
+    /// guest did not answer (busy, or its vsock is stuck).
+    #[error("vsock handshake for port {port} failed: no answer before the timeout")]
+    HandshakeTimeout { port: u32 },
     /// The connection or framing failed.
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
@@ -188,7 +192,7 @@ pub fn vsock_handshake<S: Read + Write>(s: &mut S, port: u32) -> Result<u32, Cli
     let fail = |reason: String| ClientError::Handshake { port, reason };
     let io_fail = |e: io::Error| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-            fail("no answer before the timeout".into())
+            ClientError::HandshakeTimeout { port }
         }
         _ => fail(e.to_string()),
     };
@@ -624,7 +628,7 @@ mod tests {
         let t = Instant::now();
         let e = connect_vsock_uds(&path, 3, Duration::from_millis(200));
         assert!(
-            matches!(e, Err(ClientError::Handshake { port: 3, .. })),
+            matches!(e, Err(ClientError::HandshakeTimeout { port: 3 })),
             "{e:?}"
         );
         assert!(t.elapsed() < Duration::from_secs(3));

@@ -636,10 +636,24 @@ impl Home {
         let out = self.out_within(args, limit);
         assert!(
             out.status.success(),
-            "tine {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            "tine {args:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.tails_of(args)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+    /// The last lines of `console.log` and `vmm.log` of every vm `args`
+    /// names, so a failed call shows what its guest and VMM were doing.
+    pub fn tails_of(&self, args: &[&str]) -> String {
+        let mut out = String::new();
+        for (name, dir, _) in self.vms() {
+            if args.iter().any(|a| a.split(',').any(|n| n == name)) {
+                for f in ["console.log", "vmm.log"] {
+                    out.push_str(&file_tail(&dir.join(f), 40));
+                }
+            }
+        }
+        out
     }
     /// Waits (bounded, as `out_within`) for a child spawned from `cmd(args)`
     /// with piped stdout/stderr; spawn it with `process_group(0)` so a
