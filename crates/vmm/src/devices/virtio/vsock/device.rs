@@ -185,6 +185,15 @@ impl Vsock {
     /// guest's answer, with what says why it got none: whether the
     /// OP_REQUEST reached the guest, the rx queue's indices, the reset.
     pub(super) fn report_unanswered(&self, u: &Unanswered) {
+        if self.active.is_none() {
+            // Normal while the guest boots: readiness probes come before
+            // its driver does.
+            tracing::debug!(
+                "vsock: the host stopped waiting for guest port {} before the driver was up",
+                u.key.peer_port
+            );
+            return;
+        }
         let rx = self.active.as_ref().map(|a| {
             let q = &a.queues[RXQ];
             let avail = q
