@@ -32,9 +32,10 @@ fn connect_once(uds: &Path, timeout: Duration) -> Result<UnixStream, ClientError
     Ok(s)
 }
 
-/// Whether the agent answers a ping within `timeout`.
-pub fn ping(uds: &Path, timeout: Duration) -> Result<client::Pong, ClientError> {
-    let mut s = connect(uds, timeout)?;
+/// Whether the agent answers a ping within `timeout`, tried once: for
+/// callers that poll.
+pub fn probe(uds: &Path, timeout: Duration) -> Result<client::Pong, ClientError> {
+    let mut s = connect_once(uds, timeout)?;
     s.set_read_timeout(Some(timeout))
         .map_err(ClientError::Local)?;
     client::ping(&mut s)

@@ -306,14 +306,21 @@ pub fn start(home: &Path, args: RunArgs) -> anyhow::Result<Started> {
             );
         }
         // Ready: the control socket answers (forks can be asked for), and
-        // the agent too where there is one.
+        // the agent too where there is one. An agent probe may wait up to
+        // 5 s: before the guest's vsock driver is up the VMM holds the
+        // request and sends it the moment the driver is, and a guest whose
+        // agent is not listening yet resets it at once; a short timeout
+        // instead gives up on a guest that is merely slow, every time.
+        let probe = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(500), Duration::from_secs(5));
         let ready = vmm::api::call(
             &vm.api_socket(),
             &vmm::api::Request::Ping,
             Duration::from_millis(500),
         )
         .is_ok()
-            && (!agent || agent_client::ping(&vm.vsock(), Duration::from_millis(500)).is_ok());
+            && (!agent || agent_client::probe(&vm.vsock(), probe).is_ok());
         if ready {
             break;
         }
