@@ -602,6 +602,20 @@ fn test_vsock_host_giving_up_on_a_silent_guest_frees_the_connection() {
         assert_eq!((rst.src_port, rst.dst_port), (req.src_port, 10000));
         assert_eq!(rig.conns(), 0);
     }
+
+    // A client that only shut down its write side still waits for the
+    // answer, and gets it.
+    let mut host = UnixStream::connect(&rig.uds).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 10000\n").unwrap();
+    host.shutdown(std::net::Shutdown::Write).unwrap();
+    let req = rig.expect_one();
+    assert_eq!(req.op, OP_REQUEST);
+    rig.pump(5);
+    assert_eq!(rig.conns(), 1);
+    rig.send(&hdr(10000, req.src_port, OP_RESPONSE), &[]);
+    rig.pump(5);
+    assert_eq!(read_line(&mut host), format!("OK {}", req.src_port));
 }
 
 #[test]

@@ -146,8 +146,10 @@ impl Connection {
 
     fn wanted_events(&self) -> EventSet {
         if matches!(self.state, ConnState::LocalInit { .. }) {
-            // Only to notice a host client that gives up waiting.
-            return EventSet::READ_HANG_UP;
+            // Only to notice a host client that closed: gave up waiting.
+            // Not READ_HANG_UP, which a client that merely shut down its
+            // write side after `CONNECT` (socat on stdin EOF) raises too.
+            return EventSet::HANG_UP;
         }
         let mut set = EventSet::empty();
         if self.can_send_to_guest() && !self.rx_pending {
@@ -347,7 +349,7 @@ impl VsockMuxer {
                 ..
             }) = self.conns.get(&key)
             {
-                if !events.intersects(EventSet::READ_HANG_UP | EventSet::HANG_UP) {
+                if !events.contains(EventSet::HANG_UP) {
                     return None;
                 }
                 let gave_up = Unanswered {
