@@ -349,7 +349,8 @@ impl VsockMuxer {
                 ..
             }) = self.conns.get(&key)
             {
-                if !events.contains(EventSet::HANG_UP) {
+                // EPOLLERR comes unasked too; it ends the wait as well.
+                if !events.intersects(EventSet::HANG_UP | EventSet::ERROR) {
                     return None;
                 }
                 let gave_up = Unanswered {
