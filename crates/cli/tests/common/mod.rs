@@ -722,8 +722,15 @@ impl Home {
             t.what = format!("tine {}", show_args(args));
             t
         });
-        if r.is_ok() {
+        if let Ok(out) = &r {
             self.note_slow(args, t0.elapsed());
+            // The agent client's one retry of an unanswered handshake
+            // (agent_client.rs) passes quietly otherwise; CI should show it.
+            for line in String::from_utf8_lossy(&out.stderr).lines() {
+                if line.contains("trying once more") {
+                    progress(&format!("tine {}: {line}", show_args(args)));
+                }
+            }
         }
         r
     }
