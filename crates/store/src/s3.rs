@@ -213,6 +213,19 @@ impl Backend for S3Backend {
         }
     }
 
+    fn get_range(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+    ) -> Result<Option<Vec<u8>>, BackendError> {
+        let c = self.client()?;
+        match c.rt.block_on(c.s3.get_range(&self.key(id), range)) {
+            Ok(b) => Ok(Some(b.to_vec())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err(Some(id), e)),
+        }
+    }
+
     fn exists(&self, id: &ChunkId) -> Result<bool, BackendError> {
         let c = self.client()?;
         match c.rt.block_on(c.s3.head(&self.key(id))) {
