@@ -7,25 +7,30 @@
 //! Layout (integers little-endian):
 //!
 //! ```text
-//! "TINEPK01" | count: u32 | count × (id: 32 bytes, stored_len: u32, raw_len: u32) | stored bytes…
+//! "TINEPK01" | snapshot: u64 | count: u32 | count × (id: 32 bytes, stored_len: u32, raw_len: u32) | stored bytes…
 //! ```
 //!
 //! The pack's object id is the BLAKE3 of all its bytes, so it lives in
 //! the backend's chunk namespace and put/get/exists/delete need nothing
-//! new. The index is not trusted: every entry is decoded and hashed
+//! new. The snapshot id in the header makes every snapshot's pack its
+//! own object (ids are never reused): two snapshots never share a pack,
+//! so gc deleting one snapshot's pack can never race another's commit of
+//! the same bytes, and a pack named by the wrong row is detected. The index is not trusted: every entry is decoded and hashed
 //! exactly as a chunk read is ([`crate::chunk::decode`]).
 
 use crate::chunk::{self, ChunkId, DecodeError};
 
 const MAGIC: &[u8; 8] = b"TINEPK01";
 const ENTRY: usize = 32 + 4 + 4;
-const HEADER: usize = MAGIC.len() + 4;
+const HEADER: usize = MAGIC.len() + 8 + 4;
 
 /// Why a pack's bytes cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum PackError {
     #[error("not a working-set pack (bad magic or shorter than its header)")]
     NotAPack,
+    #[error("it is the pack of snapshot {0}")]
+    OtherSnapshot(u64),
     #[error("its index says {want} bytes, the object has {have}")]
     Length { want: u64, have: u64 },
     #[error("entry {index}: chunk {chunk}: {reason}")]
@@ -61,11 +66,12 @@ pub struct PackEntry {
     pub raw_len: u32,
 }
 
-/// Builds a pack of `(id, raw_len, stored bytes)`.
-pub fn build(entries: &[(ChunkId, u32, Vec<u8>)]) -> Vec<u8> {
+/// Builds snapshot `snapshot`'s pack of `(id, raw_len, stored bytes)`.
+pub fn build(snapshot: u64, entries: &[(ChunkId, u32, Vec<u8>)]) -> Vec<u8> {
     let data: usize = entries.iter().map(|(_, _, s)| s.len()).sum();
     let mut out = Vec::with_capacity(HEADER + entries.len() * ENTRY + data);
     out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&snapshot.to_le_bytes());
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     for (id, raw_len, stored) in entries {
         out.extend_from_slice(&id.0);
@@ -83,13 +89,22 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(s))
 }
 
-/// The index of a pack and where its data starts; checks the lengths add
-/// up to the object's size.
-pub fn index(pack: &[u8]) -> Result<(Vec<PackEntry>, usize), PackError> {
+/// The index of snapshot `snapshot`'s pack and where its data starts;
+/// checks the header names that snapshot and the lengths add up to the
+/// object's size.
+pub fn index(pack: &[u8], snapshot: u64) -> Result<(Vec<PackEntry>, usize), PackError> {
     if pack.get(..MAGIC.len()) != Some(&MAGIC[..]) {
         return Err(PackError::NotAPack);
     }
-    let count = u32_at(pack, MAGIC.len()).ok_or(PackError::NotAPack)? as usize;
+    let owner = pack
+        .get(MAGIC.len()..MAGIC.len() + 8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .ok_or(PackError::NotAPack)?;
+    if owner != snapshot {
+        return Err(PackError::OtherSnapshot(owner));
+    }
+    let count = u32_at(pack, MAGIC.len() + 8).ok_or(PackError::NotAPack)? as usize;
     let data_at = count
         .checked_mul(ENTRY)
         .and_then(|n| n.checked_add(HEADER))
@@ -160,8 +175,12 @@ pub fn check_entry(
 
 /// Every chunk of `pack`, each checked ([`check_entry`]); returns (entry,
 /// its stored bytes). The first bad entry is the error.
-pub fn verified(pack: &[u8], limit: u64) -> Result<Vec<(PackEntry, &[u8])>, PackError> {
-    let (entries, mut at) = index(pack)?;
+pub fn verified(
+    pack: &[u8],
+    snapshot: u64,
+    limit: u64,
+) -> Result<Vec<(PackEntry, &[u8])>, PackError> {
+    let (entries, mut at) = index(pack, snapshot)?;
     let mut out = Vec::with_capacity(entries.len());
     for (i, e) in entries.into_iter().enumerate() {
         let stored = &pack[at..at + e.stored_len as usize];
@@ -189,23 +208,27 @@ mod tests {
     fn round_trip_and_every_flipped_byte_is_caught() {
         let a = vec![7u8; 4096];
         let b: Vec<u8> = (0..8192u32).map(|i| (i * 31 % 251) as u8).collect();
-        let pack = build(&[entry(&a), entry(&b)]);
-        let got = verified(&pack, 1 << 20).unwrap();
+        let pack = build(5, &[entry(&a), entry(&b)]);
+        let got = verified(&pack, 5, 1 << 20).unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(got[0].0.id, ChunkId::of(&a));
         assert_eq!(got[1].0.id, ChunkId::of(&b));
-        assert_eq!(verified(&build(&[]), 1 << 20).unwrap().len(), 0);
+        assert_eq!(verified(&build(5, &[]), 5, 1 << 20).unwrap().len(), 0);
         for i in 0..pack.len() {
             let mut bad = pack.clone();
             bad[i] ^= 0x40;
             assert!(
-                verified(&bad, 1 << 20).is_err(),
+                verified(&bad, 5, 1 << 20).is_err(),
                 "byte {i} flipped went unnoticed"
             );
         }
-        assert!(verified(&pack[..pack.len() - 1], 1 << 20).is_err());
+        assert!(verified(&pack[..pack.len() - 1], 5, 1 << 20).is_err());
         assert!(matches!(
-            verified(&pack, 4096),
+            verified(&pack, 6, 1 << 20),
+            Err(PackError::OtherSnapshot(5))
+        ));
+        assert!(matches!(
+            verified(&pack, 5, 4096),
             Err(PackError::TooLarge { index: 1, .. })
         ));
     }

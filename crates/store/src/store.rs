@@ -321,14 +321,16 @@ impl std::fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "{} chunks checked ({} stored bytes): {} missing, {} corrupt, {} not durable; {} orphan objects, {} pending snapshots",
+            "{} chunks checked ({} stored bytes): {} missing, {} corrupt, {} not durable; {} orphan objects, {} pending snapshots; {} working-set packs checked, {} bad",
             self.chunks_checked,
             self.stored_bytes_checked,
             self.missing.len(),
             self.corrupt.len(),
             self.not_durable.len(),
             self.orphans,
-            self.pending
+            self.pending,
+            self.packs_checked,
+            self.bad_packs.len()
         )?;
         for p in self
             .missing
@@ -812,8 +814,10 @@ impl Store {
         progress.finish();
         res?;
         for (id, (len, snapshots)) in packs {
+            // A pack is its one snapshot's (the id is in its header).
+            let owner = snapshots.first().map_or(0, |s| s.0 as u64);
             let problem = match self.get_pack(&id, len) {
-                Ok(b) => pack::verified(&b, MAX_WINDOW_SIZE)
+                Ok(b) => pack::verified(&b, owner, MAX_WINDOW_SIZE)
                     .err()
                     .map(|e| e.to_string()),
                 Err(e) => Some(e),
@@ -928,7 +932,8 @@ impl Store {
             problem,
         };
         let bytes = self.get_pack(&pack, len).map_err(err)?;
-        let (entries, data_at) = pack::index(&bytes).map_err(|e| err(e.to_string()))?;
+        let (entries, data_at) =
+            pack::index(&bytes, id.0 as u64).map_err(|e| err(e.to_string()))?;
         let mut at = data_at;
         let items: Vec<(usize, pack::PackEntry, usize)> = entries
             .into_iter()
@@ -1328,7 +1333,7 @@ impl SnapshotWriter {
         if entries.is_empty() {
             return Ok(());
         }
-        let bytes = pack::build(&entries);
+        let bytes = pack::build(self.id.0 as u64, &entries);
         let id = ChunkId::of(&bytes);
         let meta = &store.inner.meta;
         meta.set_pack(self.id, Some((id, bytes.len() as u64)))?;
