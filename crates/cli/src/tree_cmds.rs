@@ -738,10 +738,26 @@ pub fn lazy_source(
         window_ms: 0,
     });
     let remote = store.chunks().cache().is_some();
-    let pack = (remote && !pages.is_empty()).then(|| {
-        let ws = view.window_size();
+    // Windows of the working set whose chunk is not in the local cache:
+    // when there are none (this host slept or woke it lately) the pack is
+    // not fetched at all.
+    let ws = view.window_size();
+    let uncached: std::collections::HashSet<u64> = match store.chunks().cache() {
+        Some(cache) if remote => pages
+            .iter()
+            .map(|p| p * 4096 / ws)
+            .filter(|&w| match view.window(w) {
+                Some(store::Window::Chunk { id, .. }) => {
+                    !store::Backend::exists(cache, &id).unwrap_or(false)
+                }
+                _ => false,
+            })
+            .collect(),
+        _ => Default::default(),
+    };
+    let pack = (!uncached.is_empty()).then(|| {
         let gate = std::sync::Arc::new(PackGate {
-            windows: pages.iter().map(|p| p * 4096 / ws).collect(),
+            windows: uncached,
             done: std::sync::Mutex::new(false),
             cv: std::sync::Condvar::new(),
         });
