@@ -618,12 +618,15 @@ struct StoreSource {
 }
 
 /// A working-set pack fetch in flight: fills of the windows it covers
-/// wait for it (their chunks are about to be in the local cache) rather
-/// than each GET its chunk, which would put the per-request cost the
-/// pack avoids back (docs/design/store.md, "working-set packs").
+/// wait for their chunk to arrive from it (it streams in, in working-set
+/// order) rather than each GET its chunk, which would put the
+/// per-request cost the pack avoids back (docs/design/store.md,
+/// "working-set packs").
 struct PackGate {
-    windows: std::collections::HashSet<u64>,
-    done: std::sync::Mutex<bool>,
+    /// Windows whose chunk the pack should bring.
+    windows: std::collections::HashMap<u64, store::ChunkId>,
+    /// Chunks checked and cached so far, and whether the fetch ended.
+    state: std::sync::Mutex<(std::collections::HashSet<store::ChunkId>, bool)>,
     cv: std::sync::Condvar,
 }
 
@@ -631,19 +634,31 @@ struct PackGate {
 const PACK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl PackGate {
+    fn ready(&self, id: &store::ChunkId) {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        g.0.insert(*id);
+        drop(g);
+        self.cv.notify_all();
+    }
+
     fn finish(&self) {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
         self.cv.notify_all();
     }
 
     fn wait(&self, windows: std::ops::RangeInclusive<u64>) {
-        if !windows.into_iter().any(|w| self.windows.contains(&w)) {
+        let ids: Vec<store::ChunkId> = windows
+            .filter_map(|w| self.windows.get(&w).copied())
+            .collect();
+        if ids.is_empty() {
             return;
         }
-        let g = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let _ = self
             .cv
-            .wait_timeout_while(g, PACK_WAIT, |done| !*done)
+            .wait_timeout_while(g, PACK_WAIT, |(have, done)| {
+                !*done && !ids.iter().all(|i| have.contains(i))
+            })
             .unwrap_or_else(|e| e.into_inner());
     }
 }
@@ -742,15 +757,17 @@ pub fn lazy_source(
     // when there are none (this host slept or woke it lately) the pack is
     // not fetched at all.
     let ws = view.window_size();
-    let uncached: std::collections::HashSet<u64> = match store.chunks().cache() {
+    let uncached: std::collections::HashMap<u64, store::ChunkId> = match store.chunks().cache() {
         Some(cache) if remote => pages
             .iter()
             .map(|p| p * 4096 / ws)
-            .filter(|&w| match view.window(w) {
-                Some(store::Window::Chunk { id, .. }) => {
-                    !store::Backend::exists(cache, &id).unwrap_or(false)
+            .filter_map(|w| match view.window(w) {
+                Some(store::Window::Chunk { id, .. })
+                    if !store::Backend::exists(cache, &id).unwrap_or(false) =>
+                {
+                    Some((w, id))
                 }
-                _ => false,
+                _ => None,
             })
             .collect(),
         _ => Default::default(),
@@ -758,7 +775,7 @@ pub fn lazy_source(
     let pack = (!uncached.is_empty()).then(|| {
         let gate = std::sync::Arc::new(PackGate {
             windows: uncached,
-            done: std::sync::Mutex::new(false),
+            state: std::sync::Mutex::new(Default::default()),
             cv: std::sync::Condvar::new(),
         });
         let g = gate.clone();
@@ -770,7 +787,7 @@ pub fn lazy_source(
             .name("pack-fetch".into())
             .spawn(move || {
                 let t = std::time::Instant::now();
-                match store.fetch_pack(id) {
+                match store.fetch_pack_with(id, &|c| g.ready(c)) {
                     Ok(Some(f)) => tracing::info!(
                         "working-set pack of snapshot {id}: {} chunks, {} bytes in {} ms",
                         f.chunks,

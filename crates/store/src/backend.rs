@@ -60,6 +60,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         }))
     }
 
+    /// Bytes `range` of object `id` handed to `sink` in pieces as they
+    /// arrive (a consumer can start on the first bytes while the rest are
+    /// in flight); `sink` returns false to stop early. Ok(false) if there
+    /// is no such object. By default one [`Backend::get_range`].
+    fn get_range_streamed(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+        sink: &mut dyn FnMut(&[u8]) -> bool,
+    ) -> Result<bool, BackendError> {
+        match self.get_range(id, range)? {
+            Some(b) => {
+                sink(&b);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
     /// Whether an object `id` exists.
     fn exists(&self, id: &ChunkId) -> Result<bool, BackendError>;
 

@@ -93,6 +93,30 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 /// checks the header names that snapshot and the lengths add up to the
 /// object's size.
 pub fn index(pack: &[u8], snapshot: u64) -> Result<(Vec<PackEntry>, usize), PackError> {
+    index_of_prefix(pack, snapshot, pack.len() as u64)
+}
+
+/// Bytes of a pack's start that hold its header and the index of up to
+/// this many entries' worth: a first ranged read (see [`index_len`]).
+pub const PROBE: u64 = (HEADER + 2048 * ENTRY) as u64;
+
+/// How many bytes of a pack's start hold its whole index, from a prefix
+/// of at least the header; None if `prefix` is not a pack's.
+pub fn index_len(prefix: &[u8]) -> Option<u64> {
+    if prefix.get(..MAGIC.len()) != Some(&MAGIC[..]) {
+        return None;
+    }
+    let count = u64::from(u32_at(prefix, MAGIC.len() + 8)?);
+    Some(HEADER as u64 + count * ENTRY as u64)
+}
+
+/// [`index`] from the first bytes of a pack of `total` bytes (at least
+/// its header and index).
+pub fn index_of_prefix(
+    pack: &[u8],
+    snapshot: u64,
+    total: u64,
+) -> Result<(Vec<PackEntry>, usize), PackError> {
     if pack.get(..MAGIC.len()) != Some(&MAGIC[..]) {
         return Err(PackError::NotAPack);
     }
@@ -112,28 +136,28 @@ pub fn index(pack: &[u8], snapshot: u64) -> Result<(Vec<PackEntry>, usize), Pack
     if data_at > pack.len() {
         return Err(PackError::Length {
             want: data_at as u64,
-            have: pack.len() as u64,
+            have: pack.len().min(total as usize) as u64,
         });
     }
     let mut entries = Vec::with_capacity(count);
-    let mut total = data_at as u64;
+    let mut sum = data_at as u64;
     for i in 0..count {
         let at = HEADER + i * ENTRY;
         let mut id = [0u8; 32];
         id.copy_from_slice(&pack[at..at + 32]);
         let stored_len = u32_at(pack, at + 32).ok_or(PackError::NotAPack)?;
         let raw_len = u32_at(pack, at + 36).ok_or(PackError::NotAPack)?;
-        total += u64::from(stored_len);
+        sum += u64::from(stored_len);
         entries.push(PackEntry {
             id: ChunkId(id),
             stored_len,
             raw_len,
         });
     }
-    if total != pack.len() as u64 {
+    if sum != total {
         return Err(PackError::Length {
-            want: total,
-            have: pack.len() as u64,
+            want: sum,
+            have: total,
         });
     }
     Ok((entries, data_at))

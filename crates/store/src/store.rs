@@ -185,6 +185,13 @@ impl std::fmt::Debug for Store {
 pub const PACK_RANGES: u64 = 4;
 /// Below this a pack is fetched with one GET.
 pub const PACK_RANGE_MIN: u64 = 8 << 20;
+/// A wake streams a pack in up to this many ranged reads, one per
+/// [`PACK_STREAM_MIN`] bytes: each stream delivers its chunks in
+/// working-set order, and the fewer streams, the sooner the first chunks
+/// arrive (a single server shares its bandwidth among them; moto serves
+/// one 64 MiB GET in 0.15 s, two ranges in 0.35 s).
+pub const PACK_STREAMS: u64 = 4;
+pub const PACK_STREAM_MIN: u64 = 32 << 20;
 
 /// What [`Store::fetch_pack`] brought into the cache.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -917,6 +924,19 @@ impl Store {
     /// (missing, corrupt) names the snapshot and pack; chunks already
     /// checked stay cached, and the caller fetches the rest one by one.
     pub fn fetch_pack(&self, id: SnapshotId) -> Result<Option<PackFetch>, StoreError> {
+        self.fetch_pack_with(id, &|_| {})
+    }
+
+    /// [`Store::fetch_pack`], streamed: the pack's data arrives in up to
+    /// [`PACK_STREAMS`] ranged reads, each consumed as its bytes come in,
+    /// and `ready` is called with each chunk as soon as it is checked and
+    /// cached, in working-set order per stream, so a page-in waiting for
+    /// one goes on while the rest is in flight.
+    pub fn fetch_pack_with(
+        &self,
+        id: SnapshotId,
+        ready: &(dyn Fn(&ChunkId) + Sync),
+    ) -> Result<Option<PackFetch>, StoreError> {
         let row = self
             .inner
             .meta
@@ -931,30 +951,120 @@ impl Store {
             pack,
             problem,
         };
-        let bytes = self.get_pack(&pack, len).map_err(err)?;
-        let (entries, data_at) =
-            pack::index(&bytes, id.0 as u64).map_err(|e| err(e.to_string()))?;
-        let mut at = data_at;
-        let items: Vec<(usize, pack::PackEntry, usize)> = entries
-            .into_iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let start = at;
-                at += e.stored_len as usize;
-                (i, e, start)
-            })
-            .collect();
-        let fetched = PackFetch {
-            chunks: items.len() as u64,
-            stored_bytes: len,
+        let backend = self.inner.chunks.backend();
+        let missing = || format!("missing from {}", backend.describe());
+        let get = |n: u64| -> Result<Vec<u8>, StoreError> {
+            backend
+                .get_range(&pack, 0..n.min(len))
+                .map_err(|e| err(e.to_string()))?
+                .ok_or_else(|| err(missing()))
         };
-        parallel(self.threads(), &items, |(i, e, start)| {
-            let stored = &bytes[*start..*start + e.stored_len as usize];
-            pack::check_entry(*i, e, stored, MAX_WINDOW_SIZE).map_err(|e| err(e.to_string()))?;
-            cache.put(&e.id, stored)?;
-            Ok(())
-        })?;
-        Ok(Some(fetched))
+        let mut head = get(pack::PROBE)?;
+        let need =
+            pack::index_len(&head).ok_or_else(|| err(pack::PackError::NotAPack.to_string()))?;
+        if need > head.len() as u64 {
+            head = get(need)?;
+        }
+        let (entries, data_at) =
+            pack::index_of_prefix(&head, id.0 as u64, len).map_err(|e| err(e.to_string()))?;
+        let data = len - data_at as u64;
+        let streams = (len / PACK_STREAM_MIN).clamp(1, PACK_STREAMS);
+        let per = data.div_ceil(streams).max(1);
+        let mut groups: Vec<Vec<(usize, pack::PackEntry, u64)>> =
+            (0..streams).map(|_| Vec::new()).collect();
+        let mut at = data_at as u64;
+        for (i, e) in entries.iter().enumerate() {
+            let g = (((at - data_at as u64) / per) as usize).min(groups.len() - 1);
+            groups[g].push((i, *e, at));
+            at += u64::from(e.stored_len);
+        }
+        let first: Mutex<Option<String>> = Mutex::new(None);
+        std::thread::scope(|sc| {
+            for g in groups.iter().filter(|g| !g.is_empty()) {
+                let first = &first;
+                sc.spawn(move || {
+                    let problem = self.stream_pack_part(&pack, g, cache, ready);
+                    if let Some(p) = problem {
+                        first
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .get_or_insert(p);
+                    }
+                });
+            }
+        });
+        if let Some(p) = first.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(err(p));
+        }
+        Ok(Some(PackFetch {
+            chunks: entries.len() as u64,
+            stored_bytes: len,
+        }))
+    }
+
+    /// One stream of [`Store::fetch_pack_with`]: the entries `part`
+    /// (consecutive, with their offsets) read in one ranged request and
+    /// checked and cached one by one as their bytes arrive; the problem,
+    /// if any.
+    fn stream_pack_part(
+        &self,
+        pack: &ChunkId,
+        part: &[(usize, pack::PackEntry, u64)],
+        cache: &LocalBackend,
+        ready: &(dyn Fn(&ChunkId) + Sync),
+    ) -> Option<String> {
+        let (Some(first), Some(last)) = (part.first(), part.last()) else {
+            return None;
+        };
+        let range = first.2..last.2 + u64::from(last.1.stored_len);
+        let mut buf: Vec<u8> = Vec::new();
+        let mut next = 0usize;
+        let mut failed: Option<String> = None;
+        let r = {
+            let mut sink = |b: &[u8]| -> bool {
+                buf.extend_from_slice(b);
+                let mut used = 0usize;
+                while let Some((i, e, _)) = part.get(next) {
+                    let n = e.stored_len as usize;
+                    if buf.len() - used < n {
+                        break;
+                    }
+                    let stored = &buf[used..used + n];
+                    if let Err(x) = pack::check_entry(*i, e, stored, MAX_WINDOW_SIZE) {
+                        failed = Some(x.to_string());
+                        return false;
+                    }
+                    if let Err(x) = cache.put(&e.id, stored) {
+                        failed = Some(x.to_string());
+                        return false;
+                    }
+                    ready(&e.id);
+                    used += n;
+                    next += 1;
+                }
+                buf.drain(..used);
+                true
+            };
+            self.inner
+                .chunks
+                .backend()
+                .get_range_streamed(pack, range, &mut sink)
+        };
+        match r {
+            Err(e) => Some(e.to_string()),
+            Ok(false) => Some(format!(
+                "missing from {}",
+                self.inner.chunks.backend().describe()
+            )),
+            Ok(true) => failed.or_else(|| {
+                (next < part.len()).then(|| {
+                    format!(
+                        "the object ended early ({next} of {} entries of a range)",
+                        part.len()
+                    )
+                })
+            }),
+        }
     }
 
     // --- gc ---

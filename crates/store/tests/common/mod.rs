@@ -840,11 +840,30 @@ pub fn pack_scenario(o: &dyn Opener, corrupt: &dyn Fn(&Store, &ChunkId)) {
             cache.delete(&id).unwrap();
         }
     }
-    let f = s.fetch_pack(snap).unwrap();
+    let arrived = Mutex::new(Vec::new());
+    let f = s
+        .fetch_pack_with(snap, &|c| arrived.lock().unwrap().push(*c))
+        .unwrap();
     match s.chunks().cache() {
         Some(cache) => {
             let f = f.expect("a remote store fetches its pack");
             assert_eq!((f.chunks, f.stored_bytes), (n, len));
+            // Each chunk announced once, in working-set (first touch) order:
+            // windows 11, 10, ... 0.
+            let arrived = arrived.into_inner().unwrap();
+            let order: Vec<ChunkId> = (0..12u64)
+                .rev()
+                .filter_map(|i| match view.window(i) {
+                    Some(Window::Chunk { id, .. }) => Some(id),
+                    _ => None,
+                })
+                .fold(Vec::new(), |mut v, id| {
+                    if !v.contains(&id) {
+                        v.push(id);
+                    }
+                    v
+                });
+            assert_eq!(arrived, order);
             let got: std::collections::BTreeSet<ChunkId> =
                 cache.list().unwrap().into_iter().collect();
             assert_eq!(got, want);
