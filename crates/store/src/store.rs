@@ -177,8 +177,9 @@ impl std::fmt::Debug for Store {
     }
 }
 
-/// A working-set pack is fetched in this many parallel ranged reads
-/// (when it has at least [`PACK_RANGE_MIN`] bytes). Measured (docs/design/
+/// `verify` reads a working-set pack whole in this many parallel ranged
+/// reads (when it has at least [`PACK_RANGE_MIN`] bytes; a wake streams
+/// it instead, see [`PACK_STREAMS`]). Measured (docs/design/
 /// store.md, "working-set packs"): moto serves one 64 MiB GET in ~0.15 s
 /// but slows with more ranges (4: ~0.4 s), s3s-fs gains up to 4 ranges
 /// (0.38 s against 0.6-0.9 s for one); both beat 260 GETs (1.0 / 0.65 s).
