@@ -613,6 +613,54 @@ struct StoreSource {
     layout: vmm::layer::RamLayout,
     /// Chunks come from a remote backend (through the local cache).
     remote: bool,
+    /// The working-set pack being fetched into the cache, if any.
+    pack: Option<std::sync::Arc<PackGate>>,
+}
+
+/// A working-set pack fetch in flight: fills of the windows it covers
+/// wait for their chunk to arrive from it (it streams in, in working-set
+/// order) rather than each GET its chunk, which would put the
+/// per-request cost the pack avoids back (docs/design/store.md,
+/// "working-set packs").
+struct PackGate {
+    /// Windows whose chunk the pack should bring.
+    windows: std::collections::HashMap<u64, store::ChunkId>,
+    /// Chunks checked and cached so far, and whether the fetch ended.
+    state: std::sync::Mutex<(std::collections::HashSet<store::ChunkId>, bool)>,
+    cv: std::sync::Condvar,
+}
+
+/// How long a fill waits for the pack before it fetches its chunk itself.
+const PACK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl PackGate {
+    fn ready(&self, id: &store::ChunkId) {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        g.0.insert(*id);
+        drop(g);
+        self.cv.notify_all();
+    }
+
+    fn finish(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.cv.notify_all();
+    }
+
+    fn wait(&self, windows: std::ops::RangeInclusive<u64>) {
+        let ids: Vec<store::ChunkId> = windows
+            .filter_map(|w| self.windows.get(&w).copied())
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self
+            .cv
+            .wait_timeout_while(g, PACK_WAIT, |(have, done)| {
+                !*done && !ids.iter().all(|i| have.contains(i))
+            })
+            .unwrap_or_else(|e| e.into_inner());
+    }
 }
 
 /// Prefetch requests in flight for a remote store.
@@ -635,6 +683,9 @@ impl vmm::pagein::PageSource for StoreSource {
         let last = self.view.window_of(off + len.saturating_sub(1));
         if (first..=last).all(|w| matches!(self.view.window(w), Some(store::Window::Zero) | None)) {
             return Ok(vmm::pagein::Fill::Zero);
+        }
+        if let Some(g) = &self.pack {
+            g.wait(first..=last);
         }
         // A chunk that cannot be read (corrupt, missing) ends the vm; the
         // error names the snapshot, window and chunk. A fill of exactly one
@@ -702,11 +753,66 @@ pub fn lazy_source(
         window_ms: 0,
     });
     let remote = store.chunks().cache().is_some();
+    // Windows of the working set whose chunk is not in the local cache:
+    // when there are none (this host slept or woke it lately) the pack is
+    // not fetched at all.
+    let ws = view.window_size();
+    let uncached: std::collections::HashMap<u64, store::ChunkId> = match store.chunks().cache() {
+        Some(cache) if remote => pages
+            .iter()
+            .map(|p| p * 4096 / ws)
+            .filter_map(|w| match view.window(w) {
+                Some(store::Window::Chunk { id, .. })
+                    if !store::Backend::exists(cache, &id).unwrap_or(false) =>
+                {
+                    Some((w, id))
+                }
+                _ => None,
+            })
+            .collect(),
+        _ => Default::default(),
+    };
+    let pack = (!uncached.is_empty()).then(|| {
+        let gate = std::sync::Arc::new(PackGate {
+            windows: uncached,
+            state: std::sync::Mutex::new(Default::default()),
+            cv: std::sync::Condvar::new(),
+        });
+        let g = gate.clone();
+        let store = store.clone();
+        // Fetched while the VMM restores the machine; a pack that is
+        // missing or corrupt is logged and its chunks come one GET each
+        // as without a pack (every cached chunk was checked).
+        let spawned = std::thread::Builder::new()
+            .name("pack-fetch".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                match store.fetch_pack_with(id, &|c| g.ready(c)) {
+                    Ok(Some(f)) => tracing::info!(
+                        "working-set pack of snapshot {id}: {} chunks, {} bytes in {} ms",
+                        f.chunks,
+                        f.stored_bytes,
+                        t.elapsed().as_millis()
+                    ),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!("{e}; prefetching the working set chunk by chunk instead")
+                    }
+                }
+                g.finish();
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start the working-set pack fetch ({e}); chunk by chunk instead");
+            gate.finish();
+        }
+        gate
+    });
     Ok((
         std::sync::Arc::new(StoreSource {
             view,
             layout,
             remote,
+            pack,
         }),
         prefetch,
     ))

@@ -477,6 +477,25 @@ fn test_a_branch_sleeps_in_s3_and_wakes_lazily_with_an_empty_cache() {
     let v = tine(&["store", "verify"]);
     assert!(v.contains("0 missing, 0 corrupt"), "{v}");
 
+    // Its working set, slept with it, is stored as one pack; a cold lazy
+    // wake fetches it into the cache (the VMM logs it at info).
+    let ws = h.0.path().join("vms/s/working-set.json");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ws.exists() {
+        assert!(Instant::now() < deadline, "no working set recorded");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    tine(&["sleep", "s"]);
+    let v = tine(&["store", "verify"]);
+    assert!(v.contains("1 working-set packs checked, 0 bad"), "{v}");
+    for d in ["cache", "wake"] {
+        let _ = std::fs::remove_dir_all(store.join(d));
+    }
+    tine_with(&["wake", "s", "--lazy"], &[("TINE_LOG", "info")]);
+    assert_eq!(ask(&h, "s", "sum 16", "SUM"), sum);
+    let log = std::fs::read_to_string(h.0.path().join("vms/s/vmm.log")).expect("vmm.log");
+    assert!(log.contains("working-set pack of snapshot 2:"), "{log}");
+
     // The chunk cache keeps to its budget (TINE_STORE_CACHE); what it
     // drops is still in the bucket, so a new branch from the same
     // snapshot reads the same memory.

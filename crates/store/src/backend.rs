@@ -44,6 +44,41 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The stored bytes of `id`, or None if there is no such object.
     fn get(&self, id: &ChunkId) -> Result<Option<Vec<u8>>, BackendError>;
 
+    /// Bytes `range` of object `id` (a large object, a working-set pack,
+    /// is fetched as a few ranges in parallel), or None if there is no
+    /// such object. A range past the end is an error or short, as the
+    /// backend does it; callers check lengths.
+    fn get_range(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+    ) -> Result<Option<Vec<u8>>, BackendError> {
+        Ok(self.get(id)?.map(|b| {
+            let start = (range.start as usize).min(b.len());
+            let end = (range.end as usize).clamp(start, b.len());
+            b[start..end].to_vec()
+        }))
+    }
+
+    /// Bytes `range` of object `id` handed to `sink` in pieces as they
+    /// arrive (a consumer can start on the first bytes while the rest are
+    /// in flight); `sink` returns false to stop early. Ok(false) if there
+    /// is no such object. By default one [`Backend::get_range`].
+    fn get_range_streamed(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+        sink: &mut dyn FnMut(&[u8]) -> bool,
+    ) -> Result<bool, BackendError> {
+        match self.get_range(id, range)? {
+            Some(b) => {
+                sink(&b);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
     /// Whether an object `id` exists.
     fn exists(&self, id: &ChunkId) -> Result<bool, BackendError>;
 
@@ -245,6 +280,26 @@ impl Backend for LocalBackend {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io_err(&path)(e)),
         }
+    }
+
+    fn get_range(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+    ) -> Result<Option<Vec<u8>>, BackendError> {
+        use std::os::unix::fs::FileExt;
+        let path = self.path_of(id);
+        let f = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        let len = f.metadata().map_err(io_err(&path))?.len();
+        let start = range.start.min(len);
+        let end = range.end.clamp(start, len);
+        let mut buf = vec![0u8; (end - start) as usize];
+        f.read_exact_at(&mut buf, start).map_err(io_err(&path))?;
+        Ok(Some(buf))
     }
 
     fn exists(&self, id: &ChunkId) -> Result<bool, BackendError> {

@@ -7,6 +7,7 @@
 //! | `chunk-temp:N` | the Nth chunk file is written to its temporary name, not yet renamed (local backend) |
 //! | `mid-chunks:N` | right after the Nth chunk put of this process is acknowledged, before the tree records it as stored |
 //! | `after-chunks` | a snapshot's layers are all durable, its blobs and working set not yet written |
+//! | `pack-put` | the working-set pack is durable and named by the pending row, not yet committed |
 //! | `before-commit` | everything is written, the commit transaction not yet run |
 //! | `after-commit` | the snapshot has committed, the call has not returned |
 //! | `gc-mid:N` | gc has deleted N chunk objects but not yet forgotten their rows |
@@ -20,6 +21,7 @@ pub enum Point {
     ChunkTemp,
     MidChunks,
     AfterChunks,
+    PackPut,
     BeforeCommit,
     AfterCommit,
     GcMid,
@@ -31,6 +33,7 @@ impl Point {
             Point::ChunkTemp => "chunk-temp",
             Point::MidChunks => "mid-chunks",
             Point::AfterChunks => "after-chunks",
+            Point::PackPut => "pack-put",
             Point::BeforeCommit => "before-commit",
             Point::AfterCommit => "after-commit",
             Point::GcMid => "gc-mid",
@@ -60,6 +63,7 @@ fn armed() -> Option<&'static Armed> {
                 Point::ChunkTemp,
                 Point::MidChunks,
                 Point::AfterChunks,
+                Point::PackPut,
                 Point::BeforeCommit,
                 Point::AfterCommit,
                 Point::GcMid,

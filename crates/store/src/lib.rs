@@ -44,6 +44,7 @@ pub mod fault;
 pub mod layer;
 pub mod lease;
 pub mod meta;
+pub mod pack;
 pub mod progress;
 pub mod s3;
 mod store;
@@ -59,9 +60,9 @@ pub use meta::{
 pub use progress::{FnProgress, NoProgress, Progress};
 pub use s3::{S3Backend, S3Config};
 pub use store::{
-    BackendConfig, ChunkProblem, GcOptions, GcReport, LayerStats, SnapshotInfo, SnapshotWriter,
-    Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport, BACKEND_ENV,
-    DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE,
+    BackendConfig, ChunkProblem, GcOptions, GcReport, LayerStats, PackFetch, PackProblem,
+    SnapshotInfo, SnapshotWriter, Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport,
+    BACKEND_ENV, DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE,
 };
 
 #[cfg(test)]

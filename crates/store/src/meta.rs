@@ -22,6 +22,7 @@
 //! whose writer lives, is never deleted, and a snapshot cannot commit
 //! while a chunk it needs is not durable.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -173,6 +174,9 @@ pub struct SnapshotRow {
     pub manifest: String,
     #[serde(skip)]
     pub working_set: Vec<u64>,
+    /// The working-set pack (object id, bytes), if one was stored.
+    #[serde(skip)]
+    pub pack: Option<(ChunkId, u64)>,
     #[serde(skip)]
     pub lease: Option<Lease>,
 }
@@ -343,6 +347,11 @@ pub trait Meta: Send + Sync + std::fmt::Debug {
     ) -> Result<Option<BranchId>, MetaError>;
     /// Drops a pending snapshot's rows (its chunks are left to gc).
     fn abort_snapshot(&self, snapshot: SnapshotId) -> Result<(), MetaError>;
+    /// Records (or clears) pending snapshot `snapshot`'s working-set pack
+    /// (object id, bytes). Called BEFORE the object is put, so a gc that
+    /// lists it sees it named (see [`Meta::gc_mark`]).
+    fn set_pack(&self, snapshot: SnapshotId, pack: Option<(ChunkId, u64)>)
+        -> Result<(), MetaError>;
 
     // --- reading ---
 
@@ -401,8 +410,9 @@ pub trait Meta: Send + Sync + std::fmt::Debug {
     fn prune_snapshots(&self) -> Result<Vec<SnapshotId>, MetaError>;
     /// Marks `deleting` under `lease`, and returns, every chunk that no
     /// window references, plus each of `objects` (ids the backend holds)
-    /// that has no row, plus rows a gone gc left `deleting`; with their
-    /// stored bytes.
+    /// that has no row and is no snapshot's working-set pack (pending or
+    /// committed), plus rows a gone gc left `deleting`; with their stored
+    /// bytes.
     fn gc_mark(
         &self,
         lease: &Lease,
@@ -473,6 +483,13 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE UNIQUE INDEX branches_live_name ON branches(name) WHERE state != 'gone';
     CREATE INDEX branches_snapshot ON branches(snapshot);
+    "#,
+    // 2: working-set packs (one backend object holding the chunks a
+    // snapshot's working set needs; NULL: none, as for older snapshots).
+    r#"
+    ALTER TABLE snapshots ADD COLUMN pack BLOB;
+    ALTER TABLE snapshots ADD COLUMN pack_len INTEGER;
+    CREATE INDEX snapshots_pack ON snapshots(pack) WHERE pack IS NOT NULL;
     "#,
 ];
 
@@ -644,6 +661,8 @@ impl SqliteMeta {
         let ws: Option<Vec<u8>> = r.get(5)?;
         let owner: Option<String> = r.get(6)?;
         let exp: Option<i64> = r.get(7)?;
+        let pack: Option<Vec<u8>> = r.get(8)?;
+        let pack_len: Option<i64> = r.get(9)?;
         Ok(SnapshotRow {
             id: SnapshotId(r.get(0)?),
             parent: r.get::<_, Option<i64>>(1)?.map(SnapshotId),
@@ -655,6 +674,12 @@ impl SqliteMeta {
             },
             manifest: r.get(4)?,
             working_set: ws.map(|b| decode_pages(&b)).unwrap_or_default(),
+            // A malformed pack column reads as no pack: the wake falls back
+            // to fetching chunks one by one.
+            pack: pack
+                .and_then(|b| <[u8; 32]>::try_from(b.as_slice()).ok())
+                .zip(pack_len.and_then(|n| u64::try_from(n).ok()))
+                .map(|(h, n)| (ChunkId(h), n)),
             lease: owner
                 .zip(exp)
                 .map(|(owner, expires_ms)| Lease { owner, expires_ms }),
@@ -728,7 +753,7 @@ fn name_taken_or<'a>(
 }
 
 const SNAPSHOT_COLS: &str =
-    "id, parent, created_ms, state, manifest, working_set, lease_owner, lease_expires_ms";
+    "id, parent, created_ms, state, manifest, working_set, lease_owner, lease_expires_ms, pack, pack_len";
 const LAYER_COLS: &str = "id, snapshot, kind, disk, parent, size, window_size";
 const BRANCH_COLS: &str = "id, name, snapshot, state, created_ms, updated_ms";
 
@@ -985,6 +1010,29 @@ impl Meta for SqliteMeta {
 
     fn abort_snapshot(&self, snapshot: SnapshotId) -> Result<(), MetaError> {
         self.write(|tx, p| delete_pending(tx, p, snapshot))
+    }
+
+    fn set_pack(
+        &self,
+        snapshot: SnapshotId,
+        pack: Option<(ChunkId, u64)>,
+    ) -> Result<(), MetaError> {
+        self.write(|tx, p| {
+            let n = tx
+                .execute(
+                    "UPDATE snapshots SET pack = ?2, pack_len = ?3 WHERE id = ?1 AND state = 'pending'",
+                    params![
+                        snapshot.0,
+                        pack.map(|(id, _)| id.0.to_vec()),
+                        pack.map(|(_, n)| n as i64)
+                    ],
+                )
+                .map_err(sq(p, "record pack"))?;
+            if n != 1 {
+                return Err(MetaError::NotPending(snapshot));
+            }
+            Ok(())
+        })
     }
 
     fn snapshot(&self, id: SnapshotId) -> Result<Option<SnapshotRow>, MetaError> {
@@ -1329,6 +1377,20 @@ impl Meta for SqliteMeta {
         gone: &dyn Fn(&str, i64) -> bool,
     ) -> Result<Vec<(ChunkId, u64)>, MetaError> {
         let ids = self.write(|tx, p| {
+            // Working-set packs some snapshot row names are not chunks and
+            // not garbage: a writer names its pack before putting it, so an
+            // object listed before this transaction is either named here or
+            // its snapshot is gone (reaped, pruned, aborted).
+            let packs: HashSet<Vec<u8>> = query_all(
+                tx,
+                p,
+                "read packs",
+                "SELECT pack FROM snapshots WHERE pack IS NOT NULL",
+                [],
+                |r| r.get(0),
+            )?
+            .into_iter()
+            .collect();
             // Objects with no row: adopt them as 'deleting' rows, so a writer
             // that wants one waits for this gc instead of trusting a doomed
             // object.
@@ -1339,7 +1401,7 @@ impl Meta for SqliteMeta {
                          VALUES (?1, 0, 0, 0, 'deleting') ON CONFLICT (hash) DO NOTHING",
                     )
                     .map_err(sq(p, "prepare"))?;
-                for o in objects {
+                for o in objects.iter().filter(|o| !packs.contains(&o.0[..])) {
                     ins.execute([&o.0[..]]).map_err(sq(p, "adopt orphan"))?;
                 }
             }

@@ -213,6 +213,46 @@ impl Backend for S3Backend {
         }
     }
 
+    fn get_range(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+    ) -> Result<Option<Vec<u8>>, BackendError> {
+        let c = self.client()?;
+        match c.rt.block_on(c.s3.get_range(&self.key(id), range)) {
+            Ok(b) => Ok(Some(b.to_vec())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err(Some(id), e)),
+        }
+    }
+
+    fn get_range_streamed(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+        sink: &mut dyn FnMut(&[u8]) -> bool,
+    ) -> Result<bool, BackendError> {
+        use futures::StreamExt;
+        let c = self.client()?;
+        let key = self.key(id);
+        let r = c.rt.block_on(async {
+            let opts = object_store::GetOptions::default()
+                .with_range(Some(object_store::GetRange::Bounded(range)));
+            let mut st = c.s3.get_opts(&key, opts).await?.into_stream();
+            while let Some(b) = st.next().await {
+                if !sink(&b?) {
+                    break;
+                }
+            }
+            Ok::<(), object_store::Error>(())
+        });
+        match r {
+            Ok(()) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.err(Some(id), e)),
+        }
+    }
+
     fn exists(&self, id: &ChunkId) -> Result<bool, BackendError> {
         let c = self.client()?;
         match c.rt.block_on(c.s3.head(&self.key(id))) {

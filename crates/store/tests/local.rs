@@ -87,6 +87,45 @@ fn kill_9_and_faults_leave_a_consistent_store() {
 }
 
 #[test]
+fn working_set_pack_local() {
+    let (_d, o) = opener("pack");
+    common::pack_scenario(&o, &common::flip_pack_byte);
+}
+
+/// A local directory as a remote backend (so there is a cache to fill).
+struct CachedLocalOpener {
+    dir: std::path::PathBuf,
+    remote: Arc<LocalBackend>,
+}
+
+impl common::Opener for CachedLocalOpener {
+    fn open(&self) -> Store {
+        let mut cfg = StoreConfig::local(&self.dir);
+        cfg.backend = BackendConfig::Custom {
+            backend: self.remote.clone(),
+            remote: true,
+        };
+        Store::open(cfg).unwrap()
+    }
+    fn child_env(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+    fn name(&self) -> &str {
+        "local-as-remote"
+    }
+}
+
+#[test]
+fn working_set_pack_fills_the_cache() {
+    let d = temp_dir("packcache");
+    let o = CachedLocalOpener {
+        dir: d.path().join("store"),
+        remote: Arc::new(LocalBackend::new(&d.path().join("remote")).unwrap()),
+    };
+    common::pack_scenario(&o, &common::flip_pack_byte);
+}
+
+#[test]
 fn remote_backend_reads_through_a_verified_cache() {
     let d = temp_dir("cache");
     let remote = Arc::new(LocalBackend::new(&d.path().join("remote")).unwrap());

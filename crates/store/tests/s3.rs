@@ -169,9 +169,26 @@ fn s3_layer_chain_round_trip() {
         return;
     };
     common::layer_chain_round_trip(&o);
-    // The chunks are in the bucket, and the cache holds copies.
+    // The chunks are in the bucket, and the cache holds copies; the
+    // bucket also holds the working-set pack of the snapshot that has a
+    // working set (packs are on by default for a remote store), which is
+    // not cached.
     let s = o.open();
-    let objs = s.chunks().backend().list().unwrap();
+    let packs: Vec<ChunkId> = s
+        .snapshots()
+        .unwrap()
+        .iter()
+        .filter_map(|i| i.pack.map(|(id, _)| id))
+        .collect();
+    assert_eq!(packs.len(), 1);
+    let objs: Vec<ChunkId> = s
+        .chunks()
+        .backend()
+        .list()
+        .unwrap()
+        .into_iter()
+        .filter(|o| !packs.contains(o))
+        .collect();
     assert!(!objs.is_empty());
     assert!(s
         .chunks()
@@ -194,6 +211,14 @@ fn s3_ten_siblings_of_a_256mib_parent_share_it() {
     };
     let ratio = common::ten_siblings(&o, 256 << 20);
     println!("dedup ratio (stored / logical of parent + 10 x 8 MiB): {ratio:.3}");
+}
+
+#[test]
+fn s3_working_set_pack() {
+    let Some((_srv, _d, o)) = setup("pack") else {
+        return;
+    };
+    common::pack_scenario(&o, &common::flip_pack_byte);
 }
 
 #[test]
