@@ -579,13 +579,18 @@ impl Store {
 
     /// A committed snapshot.
     pub fn snapshot(&self, id: SnapshotId) -> Result<SnapshotInfo, StoreError> {
-        let row = self
+        let row = self.committed_row(id)?;
+        self.info(row)
+    }
+
+    /// The row of committed snapshot `id` (a pending one is not there yet).
+    fn committed_row(&self, id: SnapshotId) -> Result<SnapshotRow, StoreError> {
+        Ok(self
             .inner
             .meta
             .snapshot(id)?
             .filter(|r| r.state == SnapshotState::Committed)
-            .ok_or(MetaError::NoSnapshot(id))?;
-        self.info(row)
+            .ok_or(MetaError::NoSnapshot(id))?)
     }
 
     fn info(&self, row: SnapshotRow) -> Result<SnapshotInfo, StoreError> {
@@ -938,12 +943,7 @@ impl Store {
         id: SnapshotId,
         ready: &(dyn Fn(&ChunkId) + Sync),
     ) -> Result<Option<PackFetch>, StoreError> {
-        let row = self
-            .inner
-            .meta
-            .snapshot(id)?
-            .filter(|r| r.state == SnapshotState::Committed)
-            .ok_or(MetaError::NoSnapshot(id))?;
+        let row = self.committed_row(id)?;
         let (Some((pack, len)), Some(cache)) = (row.pack, self.inner.chunks.cache()) else {
             return Ok(None);
         };

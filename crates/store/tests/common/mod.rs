@@ -479,15 +479,7 @@ pub fn gc_keeps_referenced(o: &dyn Opener) {
     assert_layer(&s.layer(dropped, LayerKind::Memory).unwrap(), &gone_img);
 
     // Prune: the gone branch's snapshot goes, and only its own chunks.
-    let r = s
-        .gc(
-            &GcOptions {
-                prune_snapshots: true,
-                ..GcOptions::default()
-            },
-            &NoProgress,
-        )
-        .unwrap();
+    let r = prune(&s);
     assert_eq!(r.snapshots_pruned, vec![dropped], "{r:?}");
     assert_eq!(r.chunks_deleted, dropped_own.len() as u64, "{r:?}");
     let objs = s.chunks().backend().list().unwrap();
@@ -911,15 +903,7 @@ pub fn pack_scenario(o: &dyn Opener, corrupt: &dyn Fn(&Store, &ChunkId)) {
     // `pack-put` point.)
     s.gc(&GcOptions::default(), &NoProgress).unwrap();
     assert!(s.chunks().backend().exists(&pack).unwrap());
-    let g = s
-        .gc(
-            &GcOptions {
-                prune_snapshots: true,
-                ..GcOptions::default()
-            },
-            &NoProgress,
-        )
-        .unwrap();
+    let g = prune(&s);
     assert!(g.snapshots_pruned.contains(&snap), "{g:?}");
     assert!(!s.chunks().backend().exists(&pack).unwrap());
     let r = s.verify(&NoProgress).unwrap();
@@ -933,4 +917,16 @@ pub fn flip_pack_byte(s: &Store, id: &ChunkId) {
     let at = b.len() - 100;
     b[at] ^= 0x10;
     s.chunks().backend().put(id, &b).unwrap();
+}
+
+/// gc with pruning of snapshots no branch needs.
+fn prune(s: &Store) -> GcReport {
+    s.gc(
+        &GcOptions {
+            prune_snapshots: true,
+            ..GcOptions::default()
+        },
+        &NoProgress,
+    )
+    .unwrap()
 }
