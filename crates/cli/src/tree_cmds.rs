@@ -758,9 +758,12 @@ pub fn lazy_source(
     // not fetched at all.
     let ws = view.window_size();
     let uncached: std::collections::HashMap<u64, store::ChunkId> = match store.chunks().cache() {
+        // One cache lookup (a stat) per window, not per page.
         Some(cache) if remote => pages
             .iter()
             .map(|p| p * 4096 / ws)
+            .collect::<std::collections::BTreeSet<u64>>()
+            .into_iter()
             .filter_map(|w| match view.window(w) {
                 Some(store::Window::Chunk { id, .. })
                     if !store::Backend::exists(cache, &id).unwrap_or(false) =>

@@ -324,6 +324,14 @@ fn tail_text(bytes: &[u8], n: usize) -> String {
 }
 
 /// The last `n` lines of a file, headed by its path (nothing if it is missing).
+/// The last lines of a vm directory's `console.log` and `vmm.log`.
+fn log_tails(dir: &Path) -> String {
+    ["console.log", "vmm.log"]
+        .iter()
+        .map(|f| file_tail(&dir.join(f), 40))
+        .collect()
+}
+
 pub fn file_tail(path: &Path, n: usize) -> String {
     match std::fs::read(path) {
         Ok(b) => format!(
@@ -648,9 +656,7 @@ impl Home {
         let mut out = String::new();
         for (name, dir, _) in self.vms() {
             if args.iter().any(|a| a.split(',').any(|n| n == name)) {
-                for f in ["console.log", "vmm.log"] {
-                    out.push_str(&file_tail(&dir.join(f), 40));
-                }
+                out.push_str(&log_tails(&dir));
             }
         }
         out
@@ -682,9 +688,7 @@ impl Home {
             if let Some(pid) = vmm {
                 out.push_str(&stacks(pid, &format!("vm {name}'s VMM")));
             }
-            for f in ["console.log", "vmm.log"] {
-                out.push_str(&file_tail(&dir.join(f), 40));
-            }
+            out.push_str(&log_tails(&dir));
         }
         if out.is_empty() {
             out.push_str("(no vms in this home)\n");
