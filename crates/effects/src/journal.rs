@@ -176,7 +176,7 @@ pub struct NewEffect<'a> {
 }
 
 /// One line of `tine effects N`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct EffectView {
     pub id: i64,
     pub key: Option<String>,

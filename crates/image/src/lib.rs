@@ -12,6 +12,7 @@ pub mod debian;
 mod elf;
 pub mod initramfs;
 pub mod modules;
+mod resolve;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 pub use debian::DEBIAN_IMAGE_NAME;
 pub use initramfs::READY_MARKER;
+pub use resolve::{resolve, Resolved, MICRO_IMAGES};
 
 /// Bumped whenever the builder's output changes for the same inputs.
 pub const BUILDER_VERSION: u32 = 2;

@@ -34,7 +34,7 @@ impl ChunkError {
 }
 
 /// Counters of chunk traffic since the store was opened.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChunkCounters {
     /// Reads served by the local cache.
     pub cache_hits: u64,

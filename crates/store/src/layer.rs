@@ -154,7 +154,7 @@ pub enum Window {
 }
 
 /// What a restore did.
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RestoreStats {
     pub windows: u64,
     pub chunk_windows: u64,

@@ -32,7 +32,9 @@ use serde::Serialize;
 use crate::chunk::ChunkId;
 
 /// A snapshot's id (a node of the tree).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 pub struct SnapshotId(pub i64);
 
 impl std::fmt::Display for SnapshotId {
@@ -42,11 +44,15 @@ impl std::fmt::Display for SnapshotId {
 }
 
 /// A layer's id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 pub struct LayerId(pub i64);
 
 /// A branch's id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 pub struct BranchId(pub i64);
 
 impl std::fmt::Display for BranchId {
@@ -56,7 +62,9 @@ impl std::fmt::Display for BranchId {
 }
 
 /// Which part of a snapshot a layer holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum LayerKind {
     /// Guest RAM, its regions laid end to end (the layout of the
@@ -92,7 +100,7 @@ impl std::fmt::Display for LayerKind {
 }
 
 /// A snapshot's state in the tree.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SnapshotState {
     /// Being written; invisible to readers; reaped by gc once its
@@ -164,7 +172,7 @@ pub struct Lease {
 }
 
 /// A snapshot row.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct SnapshotRow {
     pub id: SnapshotId,
     pub parent: Option<SnapshotId>,
@@ -182,7 +190,7 @@ pub struct SnapshotRow {
 }
 
 /// A layer row.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct LayerRow {
     pub id: LayerId,
     pub snapshot: SnapshotId,
@@ -196,7 +204,7 @@ pub struct LayerRow {
 }
 
 /// A branch row.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct BranchRow {
     pub id: BranchId,
     pub name: String,
@@ -242,7 +250,7 @@ pub enum Pin {
 
 /// Bytes a snapshot references: its own (no other committed snapshot
 /// references the chunk) and shared, stored (compressed) and logical.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Sizes {
     pub own_stored: u64,
     pub own_logical: u64,
@@ -253,7 +261,7 @@ pub struct Sizes {
 }
 
 /// Totals over committed snapshots.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Totals {
     /// Distinct chunks committed snapshots reference.
     pub chunks: u64,

@@ -195,14 +195,14 @@ pub const PACK_STREAMS: u64 = 4;
 pub const PACK_STREAM_MIN: u64 = 32 << 20;
 
 /// What [`Store::fetch_pack`] brought into the cache.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct PackFetch {
     pub chunks: u64,
     pub stored_bytes: u64,
 }
 
 /// A working-set pack `verify` found missing or corrupt.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct PackProblem {
     pub pack: ChunkId,
     /// Committed snapshots that name it.
@@ -211,7 +211,7 @@ pub struct PackProblem {
 }
 
 /// A snapshot as readers see it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct SnapshotInfo {
     pub id: SnapshotId,
     pub parent: Option<SnapshotId>,
@@ -227,7 +227,7 @@ pub struct SnapshotInfo {
 }
 
 /// What storing one layer did.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize)]
 pub struct LayerStats {
     pub windows: u64,
     /// Windows read and hashed.
@@ -266,7 +266,7 @@ impl std::fmt::Debug for SnapshotWriter {
 }
 
 /// One snapshot of the tree with its sizes.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct TreeSnapshot {
     pub id: SnapshotId,
     pub parent: Option<SnapshotId>,
@@ -277,7 +277,7 @@ pub struct TreeSnapshot {
 }
 
 /// The whole tree: committed snapshots (oldest first), branches, totals.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Tree {
     pub snapshots: Vec<TreeSnapshot>,
     pub branches: Vec<BranchRow>,
@@ -286,7 +286,7 @@ pub struct Tree {
 }
 
 /// A chunk `verify` found missing or corrupt.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct ChunkProblem {
     pub chunk: ChunkId,
     /// Committed snapshots that reference it.
@@ -295,7 +295,7 @@ pub struct ChunkProblem {
 }
 
 /// What `verify` found.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct VerifyReport {
     pub chunks_checked: u64,
     pub stored_bytes_checked: u64,
@@ -394,7 +394,7 @@ impl Default for GcOptions {
 }
 
 /// What gc did.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct GcReport {
     /// Pending snapshots whose writer was gone.
     pub pending_reaped: Vec<SnapshotId>,

@@ -1,0 +1,331 @@
+//! Where a vm's state lives on the host, and how its state is read back.
+//!
+//! `$TINE_HOME/vms/NAME/` holds `vm.json` (what was started: pid, config),
+//! `console.log` (COM1), `vmm.log` (the VMM's own stderr), `vsock.sock`
+//! (the agent's hybrid vsock socket) and, once the VMM has ended,
+//! `exit.json` (why). A vm whose VMM process is gone without an `exit.json`
+//! crashed or was killed from outside: `ls` reports it as `crashed` and `rm`
+//! cleans it up.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::error::Context;
+use serde::{Deserialize, Serialize};
+
+/// What `tine run` started.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub name: String,
+    pub pid: u32,
+    /// Start time of the VMM process (clock ticks since boot, /proc/PID/stat
+    /// field 22), so a reused pid is not mistaken for our VMM.
+    pub pid_start: u64,
+    /// Unix time in milliseconds.
+    pub created_ms: u64,
+    pub image: String,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+    /// Whether the guest runs tine-agent (Linux images do; micro guests do not).
+    pub agent: bool,
+    /// The vm this one was forked from.
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// Number of disks (each with its own top layer `disk{i}.qcow2`).
+    #[serde(default)]
+    pub disks: usize,
+    /// Whether it has a tap (`tt-NAME`) and which MAC its guest sees.
+    #[serde(default)]
+    pub mac: Option<[u8; 6]>,
+    /// Whether it has a vsock device (`vsock.sock`).
+    #[serde(default)]
+    pub vsock: bool,
+    /// Its address in its tree's network (when it has a tap).
+    #[serde(default)]
+    pub lease: Option<crate::net::Lease>,
+    /// This copy's branch in the effects journal: new for every vm and
+    /// copy, never reused (docs/design/effects.md).
+    #[serde(default)]
+    pub branch: String,
+    /// From the root: each ancestor branch and the moment this copy
+    /// continues from.
+    #[serde(default)]
+    pub lineage: Vec<effects::Step>,
+    /// Its RAM is paged in lazily from the store (a lazy wake).
+    #[serde(default)]
+    pub lazy: bool,
+}
+
+/// Written by the VMM when it ends.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub reason: String,
+    pub ended_ms: u64,
+}
+
+/// A vm's state as `ls` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    Running,
+    /// The VMM ended normally (poweroff, reset, stop).
+    Stopped,
+    /// The VMM process is gone without saying why (crash, kill -9).
+    Crashed,
+}
+
+impl std::fmt::Display for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VmState::Running => "running",
+            VmState::Stopped => "stopped",
+            VmState::Crashed => "crashed",
+        })
+    }
+}
+
+/// Frozen disk layers, shared by the vms stacked on them (kept when a
+/// vm is removed: its children may still use them).
+pub fn layers_dir(home: &Path) -> PathBuf {
+    home.join("layers")
+}
+
+/// The directory of all vms.
+pub fn vms_dir(home: &Path) -> PathBuf {
+    home.join("vms")
+}
+
+/// Checks a vm name: it becomes a directory and a tap/socket name part.
+pub fn validate_name(name: &str) -> crate::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric());
+    crate::ensure!(
+        ok,
+        "invalid vm name {name:?}: use 1-48 letters, digits, '-', '_' or '.', starting with a letter or digit"
+    );
+    Ok(())
+}
+
+/// One vm's directory and files.
+#[derive(Clone, Debug)]
+pub struct VmDir {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+impl VmDir {
+    pub fn new(home: &Path, name: &str) -> Self {
+        Self {
+            name: name.to_string(),
+            dir: vms_dir(home).join(name),
+        }
+    }
+    pub fn record_path(&self) -> PathBuf {
+        self.dir.join("vm.json")
+    }
+    pub fn exit_path(&self) -> PathBuf {
+        self.dir.join("exit.json")
+    }
+    pub fn console_log(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    /// Bytes written here reach the guest's console (COM1 input).
+    pub fn console_socket(&self) -> PathBuf {
+        self.dir.join("console.sock")
+    }
+    pub fn vmm_log(&self) -> PathBuf {
+        self.dir.join("vmm.log")
+    }
+    pub fn vsock(&self) -> PathBuf {
+        self.dir.join("vsock.sock")
+    }
+    /// The VMM's control socket (fork, checkpoint, snapshot).
+    pub fn api_socket(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+    /// Checkpoint templates of this vm: `TAG.sock` and `TAG.json`.
+    pub fn checkpoints(&self) -> PathBuf {
+        self.dir.join("checkpoints")
+    }
+    /// The vm's own top layer of disk `i` (a qcow2 overlay on the base).
+    pub fn disk_layer(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("disk{i}.qcow2"))
+    }
+    pub fn exists(&self) -> bool {
+        self.record_path().is_file()
+    }
+    /// The vm's fork contract (TOML); absent means the default contract.
+    pub fn contract_path(&self) -> PathBuf {
+        self.dir.join("contract.toml")
+    }
+
+    /// The vm's effective contract.
+    pub fn read_contract(&self) -> crate::Result<contract::Contract> {
+        let p = self.contract_path();
+        match std::fs::read_to_string(&p) {
+            Ok(text) => contract::Contract::parse(&text)
+                .with_context(|| format!("the contract of vm {:?} ({})", self.name, p.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Default::default()),
+            Err(e) => Err(crate::Error::from(e).context(format!("cannot read {}", p.display()))),
+        }
+    }
+
+    pub fn write_contract(&self, c: &contract::Contract) -> crate::Result<()> {
+        write_atomic(&self.contract_path(), c.to_toml().as_bytes())
+    }
+
+    pub fn read_record(&self) -> crate::Result<VmRecord> {
+        let p = self.record_path();
+        let text = std::fs::read_to_string(&p).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                crate::Error::not_found(format!("no vm named {:?} (see `tine ls`)", self.name))
+            } else {
+                crate::Error::from(e).context(format!("cannot read {}", p.display()))
+            }
+        })?;
+        serde_json::from_str(&text).with_context(|| format!("corrupt {}", p.display()))
+    }
+
+    pub fn write_record(&self, r: &VmRecord) -> crate::Result<()> {
+        write_atomic(&self.record_path(), &serde_json::to_vec_pretty(r)?)
+    }
+
+    pub fn read_exit(&self) -> Option<ExitRecord> {
+        let text = std::fs::read_to_string(self.exit_path()).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// The vm's state, from its record, its process and its exit record.
+    pub fn state(&self, r: &VmRecord) -> VmState {
+        if process_alive(r.pid, r.pid_start) {
+            VmState::Running
+        } else if self.read_exit().is_some() {
+            VmState::Stopped
+        } else {
+            VmState::Crashed
+        }
+    }
+}
+
+/// Writes a file by rename, so readers never see half of it.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> crate::Result<()> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The few fields of /proc/PID/stat that tine checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Command name (field 2).
+    pub comm: String,
+    /// State letter (field 3): R, S, D, Z, X, ...
+    pub state: char,
+    /// Start time in clock ticks since boot (field 22).
+    pub start: u64,
+}
+
+impl ProcStat {
+    /// Reads /proc/PID/stat; None when the process is gone.
+    pub fn read(pid: u32) -> Option<Self> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // "pid (comm) state ...": comm may hold spaces and ')', so split at
+        // the first '(' and the last ')'.
+        let open = stat.find('(')?;
+        let close = stat.rfind(')')?;
+        let comm = stat.get(open + 1..close)?.to_string();
+        let mut rest = stat.get(close + 1..)?.split_whitespace();
+        let state = rest.next()?.chars().next()?;
+        let start = rest.nth(18)?.parse().ok()?;
+        Some(Self { comm, state, start })
+    }
+
+    /// A zombie or dead process has exited; only its entry remains.
+    pub fn is_exited(&self) -> bool {
+        matches!(self.state, 'Z' | 'X')
+    }
+}
+
+/// Start time of a process (field 22 of /proc/PID/stat), if it exists.
+pub fn process_start(pid: u32) -> Option<u64> {
+    ProcStat::read(pid).map(|s| s.start)
+}
+
+/// Whether `pid` is alive and is the same process that started at `start`
+/// (a zombie counts as gone).
+pub fn process_alive(pid: u32, start: u64) -> bool {
+    ProcStat::read(pid).is_some_and(|s| !s.is_exited() && s.start == start)
+}
+
+/// Resident memory of a process in KiB.
+pub fn process_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// All vm directories, sorted by name.
+pub fn list(home: &Path) -> crate::Result<Vec<VmDir>> {
+    let dir = vms_dir(home);
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(crate::Error::from(e).context(format!("cannot read {}", dir.display())))
+        }
+    };
+    let mut vms: Vec<VmDir> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(|n| VmDir::new(home, n)))
+        .filter(VmDir::exists)
+        .collect();
+    vms.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(vms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_validate_name_rejects_paths_and_empty() {
+        assert!(validate_name("web-1").is_ok());
+        assert!(validate_name("a.b_c").is_ok());
+        for bad in ["", "../x", "a/b", "-x", ".x", "a b", &"x".repeat(49)] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn test_proc_stat_reads_own_process() {
+        let me = ProcStat::read(std::process::id()).expect("own stat");
+        assert!(!me.comm.is_empty());
+        assert!(!me.is_exited());
+        assert!(me.start > 0);
+    }
+
+    #[test]
+    fn test_process_alive_checks_start_time() {
+        let me = std::process::id();
+        let start = process_start(me).expect("own stat");
+        assert!(process_alive(me, start));
+        assert!(!process_alive(me, start + 1));
+        assert!(!process_alive(u32::MAX - 1, start));
+    }
+}

@@ -1,0 +1,1092 @@
+//! The snapshot tree: sleep, wake, fork of a sleeping branch, the lineage
+//! view, remove/prune/gc, store verify. A branch sleeps as a snapshot in
+//! the store (crates/store: chunks + `$TINE_HOME/store/tree.db`) and wakes
+//! as a vm restored from it (the same path as a restore of a snapshot
+//! directory).
+//!
+//! - sleep: quiesce, take a snapshot into a staging directory, store its
+//!   layers (memory, each disk's contents) and state, commit it with the
+//!   branch now sleeping, then end the vm. Until the commit the vm is
+//!   still there; a failure wakes it again. The commit is the point of no
+//!   return: a crash after it is finished by reconcile.
+//! - wake: materialize the snapshot once per host into
+//!   `store/wake/SNAPSHOT/` (its manifest written last), then restore a
+//!   new vm from it. Copies of one snapshot map the same memory file
+//!   MAP_PRIVATE, so they share its page cache; gc removes the copies no
+//!   vm uses.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use store::{
+    BranchChange, BranchState, Dirty, LayerKind, Progress, SnapshotId, Store, StoreConfig,
+};
+use vmm::api::{self, Request};
+use vmm::snapshot_dir::{self, Manifest};
+
+use crate::error::Context;
+use crate::intent::{Intent, Op, Phase};
+use crate::state::{self, VmDir, VmRecord, VmState};
+use crate::vm::{RunReport, RunSpec};
+use crate::{bail, gateway, lock, wake, Error, Host};
+use protocol::wake::Role;
+
+/// How long the VMM may take to write a snapshot for `sleep`.
+const SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Which stored snapshot a vm was woken from (`vms/NAME/branch.json`):
+/// its next sleep stores only what changed since.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BranchLink {
+    pub branch: String,
+    pub snapshot: i64,
+}
+
+fn link_path(vm: &VmDir) -> PathBuf {
+    vm.dir.join("branch.json")
+}
+
+fn read_link(vm: &VmDir) -> Option<BranchLink> {
+    let text = std::fs::read_to_string(link_path(vm)).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// The store of this host (`TINE_STORE` picks a backend, see crates/store).
+pub fn open(h: &Host) -> crate::Result<Store> {
+    let cfg = StoreConfig::from_env(&h.home)?;
+    Store::open(cfg).context("cannot open the snapshot store")
+}
+
+/// Size limit of the local chunk cache in front of a remote store
+/// (`TINE_STORE_CACHE`, e.g. `20G`; default 16 GiB).
+pub const CACHE_ENV: &str = "TINE_STORE_CACHE";
+const DEFAULT_CACHE_MIB: u64 = 16 << 10;
+
+/// Keeps the chunk cache within its budget, least recently used chunks
+/// first (they stay in the backend). Run after the work of a sleep, wake
+/// or gc, so it costs the command, not the vm's time to ready. A bad
+/// budget or a failed trim is logged, never fatal: the cache is only a
+/// cache.
+fn trim_cache(store: &Store) {
+    let budget_mib = match std::env::var(CACHE_ENV) {
+        Ok(v) => match crate::size::parse_mib(&v) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!("{CACHE_ENV}={v:?} is not a size ({e}); the cache keeps {DEFAULT_CACHE_MIB} MiB");
+                DEFAULT_CACHE_MIB
+            }
+        },
+        Err(_) => DEFAULT_CACHE_MIB,
+    };
+    match store.trim_cache(budget_mib << 20) {
+        Ok((0, _)) => {}
+        Ok((n, bytes)) => tracing::debug!("chunk cache: {n} chunks ({bytes} bytes) dropped"),
+        Err(e) => tracing::warn!("cannot trim the chunk cache: {e}"),
+    }
+}
+
+/// What `sleep` did.
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SleepReport {
+    pub name: String,
+    pub branch: String,
+    pub snapshot: i64,
+    pub parent: Option<i64>,
+    pub pause_ms: f64,
+    pub snapshot_ms: f64,
+    pub store_ms: f64,
+    pub total_ms: f64,
+    /// Logical bytes of the memory layer this snapshot records itself
+    /// (windows not inherited from its parent).
+    pub memory_logical: u64,
+    /// Bytes that went to the backend (new chunks, compressed).
+    pub new_stored: u64,
+    /// Each disk layer, in manifest order.
+    pub disks: Vec<DiskReport>,
+    /// Trouble that did not stop the sleep.
+    pub problems: Vec<String>,
+}
+
+/// How `sleep` stored one disk.
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DiskReport {
+    pub size: u64,
+    /// Stored as a diff over the parent snapshot's layer: only the windows
+    /// the qcow2 layers above the woken snapshot's disk map were read.
+    pub diff: bool,
+    /// Bytes read from the disk chain (and hashed).
+    pub read_bytes: u64,
+    /// Logical bytes this snapshot records itself.
+    pub logical: u64,
+}
+
+/// Puts a running vm to sleep: its moment goes into the store and the vm
+/// ends; its branch sleeps.
+pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepReport> {
+    state::validate_name(name)?;
+    let _lock = lock::acquire(&h.home, name, lock::DEFAULT_WAIT)?;
+    let vm = VmDir::new(&h.home, name);
+    let mut r = vm.read_record()?;
+    match vm.state(&r) {
+        VmState::Running => {}
+        s => {
+            return Err(Error::conflict(format!(
+                "vm {name:?} is {s}: only a running vm can be put to sleep"
+            )))
+        }
+    }
+    let _layers = crate::layers::shared(h)?;
+    if !crate::fork::list_checkpoints(h, name)?.is_empty() {
+        return Err(Error::conflict(format!("vm {name:?} has checkpoints; they live in processes and cannot sleep with it (delete them with `tine checkpoint rm`, or roll back first)")));
+    }
+    let store = open(h)?;
+    let link = read_link(&vm);
+    let parent = match &link {
+        Some(l) => store.snapshot(SnapshotId(l.snapshot)).ok().map(|s| s.id),
+        None => None,
+    };
+    if let Some(b) = store.branch(name)? {
+        if b.state == BranchState::Sleeping {
+            return Err(Error::conflict(format!("a sleeping branch named {name:?} exists already; wake it under another name, or remove it with `tine rm {name}`")));
+        }
+    }
+    let staging = store
+        .dir()
+        .join("staging")
+        .join(format!("sleep-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let t0 = Instant::now();
+    let mut intent = Intent::begin(
+        &h.home,
+        Op::Sleep {
+            vm: name.into(),
+            staging: staging.clone(),
+        },
+    )?;
+
+    // The moment: quiesced, recorded by the effects gateway (the branch's
+    // effects up to here are its wakers' past), written to the staging
+    // directory; the vm goes on (in a new process) until the commit.
+    gateway::ensure_branch(&vm, &mut r)?;
+    let mut moment = gateway::Moment::new(&r, effects::MomentKind::Snapshot)?;
+    let quiesced = wake::quiesce(&vm, &r);
+    let quiesced = match quiesced {
+        Ok(q) => q.is_some(),
+        Err(e) => {
+            intent.done();
+            return Err(e);
+        }
+    };
+    if let Err(e) = moment.begin(h, &vm, &r) {
+        wake_again(&vm, &r, quiesced);
+        intent.done();
+        return Err(e);
+    }
+    let contract = vm.read_contract()?;
+    // A vm woken from a stored snapshot tracks the pages it dirtied since
+    // (KVM's dirty log and the VMM's own writes): only those are written
+    // and stored, as a diff layer over that snapshot's.
+    let req = match parent {
+        Some(_) => Request::SnapshotLayer {
+            dir: staging.clone(),
+            layers_dir: state::layers_dir(&h.home),
+            contract: Some(contract.to_toml()),
+            full: false,
+            rebase: None,
+        },
+        None => Request::Snapshot {
+            dir: staging.clone(),
+            layers_dir: state::layers_dir(&h.home),
+            contract: Some(contract.to_toml()),
+        },
+    };
+    let spawning = crate::reconcile::spawning();
+    intent.phase(Phase::Asked)?;
+    let res = api::call(&vm.api_socket(), &req, SNAPSHOT_TIMEOUT);
+    let taken = matches!(&res, Ok(c) if c.reply.error.is_none());
+    let mut problems = moment.end(h, taken, &[]);
+    let reply = match res {
+        Ok(c) if c.reply.error.is_none() => {
+            let reply = c.reply.clone();
+            if let Some(pid) = reply.continuation_pid {
+                r.pid = pid;
+                r.pid_start = state::process_start(pid).unwrap_or(0);
+                vm.write_record(&r)?;
+            }
+            intent.phase(Phase::Recorded)?;
+            drop(spawning);
+            drop(c);
+            reply
+        }
+        Ok(c) => {
+            let e = c.reply.error.clone().unwrap_or_default();
+            drop(c);
+            drop(spawning);
+            let _ = std::fs::remove_dir_all(&staging);
+            crate::reconcile::settle_pid(&vm);
+            wake_again(&vm, &r, quiesced);
+            intent.done();
+            bail!("cannot snapshot {name:?}: {e}");
+        }
+        Err(e) => {
+            drop(spawning);
+            let _ = std::fs::remove_dir_all(&staging);
+            crate::reconcile::settle_pid(&vm);
+            wake_again(&vm, &r, quiesced);
+            intent.done();
+            return Err(Error::from(e).context(format!("cannot snapshot {name:?}")));
+        }
+    };
+    // The vm runs on until the commit (its workload stays frozen where an
+    // agent quiesced it); the branch continues from the moment. Not held
+    // stopped: a sleep killed midway must leave a running vm (a quiesced
+    // guest thaws itself when no wake comes).
+    let snapshot_ms = t0.elapsed().as_secs_f64() * 1000.0;
+
+    let t1 = Instant::now();
+    gateway::write_snapshot_lineage(&staging, &r, &moment)?;
+    let _ = std::fs::copy(
+        vm.dir.join(crate::vm::WORKING_SET),
+        staging.join(crate::vm::WORKING_SET),
+    );
+    let stored = store_snapshot(&store, &staging, parent, name, bar);
+    let _ = std::fs::remove_dir_all(&staging);
+    let (snap, logical, new_stored, disks) = match stored {
+        Ok(s) => s,
+        Err(e) => {
+            wake_again(&vm, &r, quiesced);
+            intent.done();
+            return Err(e.context(format!("{name:?} did not go to sleep; it runs on")));
+        }
+    };
+    intent.phase(Phase::Committed)?;
+    let store_ms = t1.elapsed().as_secs_f64() * 1000.0;
+    // Committed: the vm ends, its branch sleeps in the store.
+    let removed = crate::vm::remove_locked(h, &vm, &r)?;
+    problems.extend(removed.problems);
+    intent.done();
+    drop(_layers);
+    let (_, more) = crate::layers::after_removal(h);
+    problems.extend(more);
+    trim_cache(&store);
+    Ok(SleepReport {
+        name: name.into(),
+        branch: name.into(),
+        snapshot: snap.0,
+        parent: parent.map(|p| p.0),
+        pause_ms: reply.pause_ms.unwrap_or_default(),
+        snapshot_ms,
+        store_ms,
+        total_ms: t0.elapsed().as_secs_f64() * 1000.0,
+        memory_logical: logical,
+        new_stored,
+        disks,
+        problems,
+    })
+}
+
+/// The vm was quiesced for a sleep that did not happen: it goes on.
+fn wake_again(vm: &VmDir, r: &VmRecord, quiesced: bool) {
+    if !quiesced {
+        return;
+    }
+    let r = vm.read_record().unwrap_or_else(|_| r.clone());
+    let msg = vm
+        .read_contract()
+        .and_then(|c| wake::Round::new(&c)?.message(Role::Parent, &r, &[]));
+    match msg {
+        Ok(w) => {
+            let woken = wake::wake_one(vm, w);
+            for p in woken.failures() {
+                tracing::warn!("{p}");
+            }
+        }
+        Err(e) => tracing::warn!("cannot wake {:?} again: {e}", vm.name),
+    }
+}
+
+/// What to wake (`tine wake`, `POST /v1/branches/{name}/wake`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WakeSpec {
+    /// The new vm's name (default: the branch's own, which must be
+    /// sleeping; another name starts a new branch from its snapshot).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// A tap and an address from a new network tree.
+    #[serde(default)]
+    pub net: bool,
+    /// Page memory in on demand from the store instead of writing it all
+    /// out before the vm starts.
+    #[serde(default)]
+    pub lazy: bool,
+    /// A fork contract (TOML text) over the snapshot's own.
+    #[serde(default)]
+    pub contract: Option<String>,
+}
+
+/// Wakes a branch: a vm continues from its snapshot.
+pub fn wake(
+    h: &Host,
+    branch: &str,
+    spec: &WakeSpec,
+    bar: &dyn Progress,
+) -> crate::Result<RunReport> {
+    let t0 = Instant::now();
+    state::validate_name(branch)?;
+    let name = spec.name.clone().unwrap_or_else(|| branch.to_string());
+    state::validate_name(&name)?;
+    // The branch's lock serializes its wakes; the name's, the new vm.
+    let _branch_lock = lock::acquire(&h.home, &format!(".branch-{branch}"), lock::DEFAULT_WAIT)?;
+    let _name_lock = lock::reserve(&h.home, std::slice::from_ref(&name))?;
+    let store = open(h)?;
+    let b = store.branch(branch)?.ok_or_else(|| {
+        Error::not_found(format!(
+            "no branch named {branch:?} in the store (see `tine tree`)"
+        ))
+    })?;
+    if name == branch && b.state != BranchState::Sleeping {
+        return Err(Error::conflict(format!(
+            "branch {branch:?} is {}; wake a copy of it with another name",
+            b.state
+        )));
+    }
+    if name != branch && store.branch(&name)?.is_some() {
+        return Err(Error::conflict(format!(
+            "a branch named {name:?} exists already; pick another name"
+        )));
+    }
+    if VmDir::new(&h.home, &name).exists() {
+        return Err(Error::conflict(format!(
+            "a vm named {name:?} exists already; pick another name"
+        )));
+    }
+    if let Some(c) = &spec.contract {
+        contract::Contract::parse(c).context("the contract; nothing was woken")?;
+    }
+    let mut intent = Intent::begin(
+        &h.home,
+        Op::Wake {
+            branch: branch.into(),
+            vm: name.clone(),
+        },
+    )?;
+    let res = (|| -> crate::Result<RunReport> {
+        let dir = materialize(&store, b.snapshot, spec.lazy, bar)?;
+        let shown = store
+            .blob(b.snapshot, gateway::SNAPSHOT_LINEAGE)
+            .ok()
+            .flatten()
+            .and_then(|l| serde_json::from_slice::<gateway::SnapshotLineage>(&l).ok())
+            .and_then(|l| l.image);
+        let mut run = RunSpec::restore(&name, &dir, spec.net);
+        run.lazy_snapshot = spec.lazy.then_some(b.snapshot.0);
+        run.dirty_base = Some(b.snapshot.0);
+        run.contract = spec.contract.clone();
+        run.shown_image = Some(shown.unwrap_or_else(|| format!("branch {branch}")));
+        intent.phase(Phase::Asked)?;
+        let mut started = crate::vm::start_reserved(h, run)?;
+        let vm = VmDir::new(&h.home, &name);
+        let link = BranchLink {
+            branch: name.clone(),
+            snapshot: b.snapshot.0,
+        };
+        state::write_atomic(&link_path(&vm), &serde_json::to_vec(&link)?)?;
+        if name == branch {
+            store.set_branch(b.id, None, BranchState::Running)?;
+        } else {
+            store.create_branch(&name, b.snapshot, BranchState::Running)?;
+        }
+        intent.phase(Phase::Recorded)?;
+        // The time the caller waited, the materialization included.
+        started.ready_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        Ok(started)
+    })();
+    intent.done();
+    trim_cache(&store);
+    res
+}
+
+/// Finishes a wake whose vm became ready but whose branch was not
+/// marked running (tined was killed in between): reconcile's roll forward.
+pub(crate) fn finish_wake(h: &Host, branch: &str, name: &str) -> crate::Result<()> {
+    let store = open(h)?;
+    let b = store
+        .branch(branch)?
+        .ok_or_else(|| Error::not_found(format!("no branch {branch:?}")))?;
+    let vm = VmDir::new(&h.home, name);
+    let link = BranchLink {
+        branch: name.into(),
+        snapshot: b.snapshot.0,
+    };
+    state::write_atomic(&link_path(&vm), &serde_json::to_vec(&link)?)?;
+    if name == branch {
+        if b.state == BranchState::Sleeping {
+            store.set_branch(b.id, None, BranchState::Running)?;
+        }
+    } else if store.branch(name)?.is_none() {
+        store.create_branch(name, b.snapshot, BranchState::Running)?;
+    }
+    Ok(())
+}
+
+/// Children of a fork of a vm woken from the store descend from the same
+/// stored snapshot: their VMMs inherit the parent's dirty tracking
+/// (relative to that snapshot), so their sleeps store diff layers under it
+/// and the tree draws them there. Without a link, nothing to do.
+pub(crate) fn link_children(h: &Host, parent: &VmDir, children: &[&VmDir]) -> Vec<String> {
+    let Some(link) = read_link(parent) else {
+        return Vec::new();
+    };
+    let store = match open(h) {
+        Ok(s) => s,
+        Err(e) => return vec![format!("the children are not linked into the tree: {e}")],
+    };
+    let snapshot = SnapshotId(link.snapshot);
+    let mut problems = Vec::new();
+    for c in children {
+        let res = (|| -> crate::Result<()> {
+            if let Some(b) = store.branch(&c.name)? {
+                bail!("a {} branch of that name is in the store", b.state);
+            }
+            let l = BranchLink {
+                branch: c.name.clone(),
+                snapshot: link.snapshot,
+            };
+            state::write_atomic(&link_path(c), &serde_json::to_vec(&l)?)?;
+            store.create_branch(&c.name, snapshot, BranchState::Running)?;
+            Ok(())
+        })();
+        if let Err(e) = res {
+            problems.push(format!(
+                "{}: not linked under snapshot {snapshot} (its sleep will store a new root): {e}",
+                c.name
+            ));
+        }
+    }
+    problems
+}
+
+/// Forks a sleeping branch: new branches wake from its snapshot, one after
+/// another (they share its materialized memory file). An invalid contract
+/// is refused before any of them starts; a copy that fails to start stops
+/// the fork with the ones started so far left running.
+pub(crate) fn fork_sleeping(
+    h: &Host,
+    branch: &str,
+    spec: &crate::fork::ForkSpec,
+) -> crate::Result<crate::fork::ForkReport> {
+    let names: Vec<String> = match (&spec.names, spec.count) {
+        (Some(n), _) => n.clone(),
+        (None, Some(c)) => (1..=c).map(|i| format!("{branch}-{i}")).collect(),
+        (None, None) => (1..=1).map(|i| format!("{branch}-{i}")).collect(),
+    };
+    crate::ensure!(
+        names.len() <= crate::fork::MAX_CHILDREN,
+        "at most {} children per fork",
+        crate::fork::MAX_CHILDREN
+    );
+    if let Some(c) = &spec.contract {
+        contract::Contract::parse(c).context("the contract; nothing was woken")?;
+    }
+    let t0 = Instant::now();
+    let mut report = crate::fork::ForkReport {
+        name: branch.into(),
+        names: names.clone(),
+        ..Default::default()
+    };
+    for n in &names {
+        let s = wake(
+            h,
+            branch,
+            &WakeSpec {
+                name: Some(n.clone()),
+                contract: spec.contract.clone(),
+                ..WakeSpec::default()
+            },
+            &store::NoProgress,
+        )
+        .with_context(|| format!("cannot wake {n:?} from {branch:?}"))?;
+        report.children.push(s.pid);
+        report.child_running_ms.push(s.ready_ms);
+        report.results.push(crate::fork::ChildResult {
+            name: n.clone(),
+            pid: Some(s.pid),
+            ok: true,
+            error: None,
+        });
+        report.problems.extend(s.problems);
+        report.wake.extend(s.wake);
+    }
+    report.total_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    report.all_children_ms = Some(report.total_ms);
+    Ok(report)
+}
+
+/// Whether `name` is a sleeping branch of this host's store (and not a vm).
+pub fn is_sleeping(h: &Host, name: &str) -> bool {
+    !VmDir::new(&h.home, name).exists()
+        && branch_row(h, name).is_some_and(|b| b.state == BranchState::Sleeping)
+}
+
+/// Branch `name` of this host's store, if there is a store and it has one.
+fn branch_row(h: &Host, name: &str) -> Option<store::BranchRow> {
+    if !store_exists(h) {
+        return None;
+    }
+    open(h).ok()?.branch(name).ok().flatten()
+}
+
+fn store_exists(h: &Host) -> bool {
+    h.home.join("store").exists() || std::env::var_os(store::BACKEND_ENV).is_some()
+}
+
+/// Removes a sleeping branch (`tine rm` of a name that is no vm): it no
+/// longer keeps its snapshot alive; gc reclaims what only it held.
+pub(crate) fn remove_branch(h: &Host, name: &str) -> crate::Result<crate::vm::Removed> {
+    let _lock = lock::acquire(&h.home, &format!(".branch-{name}"), lock::DEFAULT_WAIT)?;
+    let b = branch_row(h, name).ok_or_else(|| {
+        Error::not_found(format!("no vm or branch named {name:?} (see `tine ls`)"))
+    })?;
+    open(h)?.set_branch(b.id, None, BranchState::Gone)?;
+    Ok(crate::vm::Removed {
+        name: name.into(),
+        what: "branch".into(),
+        processes: 0,
+        layers_freed: 0,
+        problems: Vec::new(),
+    })
+}
+
+/// The branch a removed vm ran is gone (its snapshot no longer needs to
+/// be kept for it).
+pub(crate) fn forget_vm(h: &Host, vm: &VmDir) -> crate::Result<()> {
+    let Some(link) = read_link(vm) else {
+        return Ok(());
+    };
+    let store = open(h)?;
+    if let Some(b) = store.branch(&link.branch)? {
+        if b.state == BranchState::Running && b.snapshot.0 == link.snapshot {
+            store.set_branch(b.id, None, BranchState::Gone)?;
+        }
+    }
+    Ok(())
+}
+
+/// Branches whose vm is gone are marked gone (they keep nothing alive).
+fn reap_branches(h: &Host, store: &Store) -> crate::Result<()> {
+    for b in store.branches()? {
+        if b.state != BranchState::Running {
+            continue;
+        }
+        let vm = VmDir::new(&h.home, &b.name);
+        let alive = vm
+            .read_record()
+            .is_ok_and(|r| vm.state(&r) == VmState::Running)
+            && read_link(&vm).is_some_and(|l| l.snapshot == b.snapshot.0);
+        if !alive {
+            store.set_branch(b.id, None, BranchState::Gone)?;
+        }
+    }
+    Ok(())
+}
+
+/// The store's tree (snapshots with their own and shared bytes, branches).
+pub fn store_tree(h: &Host) -> crate::Result<store::Tree> {
+    let store = open(h)?;
+    reap_branches(h, &store)?;
+    Ok(store.tree()?)
+}
+
+/// One node of the lineage: a running vm, a sleeping branch, a checkpoint,
+/// or a stored snapshot.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Node {
+    /// `vm:NAME`, `branch:NAME`, `checkpoint:VM@TAG`, `snapshot:ID`.
+    pub id: String,
+    /// `vm`, `branch`, `checkpoint` or `snapshot`.
+    pub kind: String,
+    pub name: String,
+    /// running, stopped, crashed (a vm); sleeping (a branch); ready (a
+    /// checkpoint); committed (a snapshot).
+    pub state: String,
+    /// The node it continues from.
+    pub parent: Option<String>,
+    pub created_ms: u64,
+    /// Bytes only this node holds in the store (snapshots).
+    pub own_bytes: Option<u64>,
+    /// Memory of a vm, in MiB.
+    pub mem_mib: Option<u64>,
+    pub pid: Option<u32>,
+}
+
+/// The whole lineage: running vms, sleeping branches, checkpoints and
+/// stored snapshots as one tree (what `ls` and `tree` both show).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Lineage {
+    pub nodes: Vec<Node>,
+    /// The store's totals (None: no store yet).
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub store: Option<store::Totals>,
+}
+
+/// The lineage of this home.
+pub fn lineage(h: &Host) -> crate::Result<Lineage> {
+    let mut nodes = Vec::new();
+    let mut totals = None;
+    let mut branch_of_vm = std::collections::HashMap::new();
+    if store_exists(h) {
+        let t = store_tree(h)?;
+        for s in &t.snapshots {
+            nodes.push(Node {
+                id: format!("snapshot:{}", s.id),
+                kind: "snapshot".into(),
+                name: s
+                    .manifest
+                    .get("name")
+                    .and_then(|v| v.as_str())
+                    .map(|n| format!("{} ({n})", s.id))
+                    .unwrap_or_else(|| s.id.to_string()),
+                state: "committed".into(),
+                parent: s.parent.map(|p| format!("snapshot:{p}")),
+                created_ms: u64::try_from(s.created_ms).unwrap_or(0),
+                own_bytes: Some(s.sizes.own_stored),
+                mem_mib: s.manifest.get("mem_mib").and_then(|v| v.as_u64()),
+                pid: None,
+            });
+        }
+        for b in &t.branches {
+            match b.state {
+                BranchState::Sleeping => nodes.push(Node {
+                    id: format!("branch:{}", b.name),
+                    kind: "branch".into(),
+                    name: b.name.clone(),
+                    state: "sleeping".into(),
+                    parent: Some(format!("snapshot:{}", b.snapshot)),
+                    created_ms: u64::try_from(b.updated_ms).unwrap_or(0),
+                    own_bytes: None,
+                    mem_mib: None,
+                    pid: None,
+                }),
+                BranchState::Running => {
+                    branch_of_vm.insert(b.name.clone(), b.snapshot);
+                }
+                BranchState::Gone => {}
+            }
+        }
+        totals = Some(t.totals);
+    }
+    for info in crate::vm::list(h)? {
+        let parent = match (&info.parent, branch_of_vm.get(&info.name)) {
+            // A fork's child hangs under its parent vm while that runs.
+            (Some(p), _) if VmDir::new(&h.home, p).exists() => Some(format!("vm:{p}")),
+            (_, Some(s)) => Some(format!("snapshot:{s}")),
+            (Some(p), None) => Some(format!("vm:{p}")),
+            (None, None) => None,
+        };
+        let vm = VmDir::new(&h.home, &info.name);
+        let created = vm.read_record().map(|r| r.created_ms).unwrap_or(0);
+        for c in crate::fork::list_checkpoints(h, &info.name)? {
+            nodes.push(Node {
+                id: format!("checkpoint:{}@{}", info.name, c.tag),
+                kind: "checkpoint".into(),
+                name: format!("{}@{}", info.name, c.tag),
+                state: "ready".into(),
+                parent: Some(format!("vm:{}", info.name)),
+                created_ms: c.created_ms,
+                own_bytes: None,
+                mem_mib: Some(info.mem_mib),
+                pid: Some(c.pid),
+            });
+        }
+        nodes.push(Node {
+            id: format!("vm:{}", info.name),
+            kind: "vm".into(),
+            name: info.name.clone(),
+            state: info.state.to_string(),
+            parent,
+            created_ms: created,
+            own_bytes: None,
+            mem_mib: Some(info.mem_mib),
+            pid: info.pid,
+        });
+    }
+    Ok(Lineage {
+        nodes,
+        store: totals,
+    })
+}
+
+/// What gc reclaimed.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct GcReport {
+    /// The store's part: pruned snapshots, chunks deleted.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub store: Option<store::GcReport>,
+    /// Materialized wake copies (`store/wake/`) no vm uses, removed.
+    pub wake_copies_removed: usize,
+    pub wake_bytes_freed: u64,
+    /// Frozen disk layers nothing uses, removed or folded.
+    pub layers_freed: usize,
+    /// Stray VMM processes of this home no record knows, ended.
+    pub strays_ended: usize,
+    pub problems: Vec<String>,
+}
+
+/// Reclaims everything nothing references: snapshots without a branch or
+/// child, their chunks, wake copies no vm uses, frozen layers no chain
+/// uses, stray processes.
+pub fn gc(h: &Host, bar: &dyn Progress) -> crate::Result<GcReport> {
+    let mut report = GcReport {
+        strays_ended: crate::reconcile::sweep(h),
+        ..GcReport::default()
+    };
+    if store_exists(h) {
+        let store = open(h)?;
+        reap_branches(h, &store)?;
+        let opts = store::GcOptions {
+            prune_snapshots: true,
+            ..store::GcOptions::default()
+        };
+        report.store = Some(store.gc(&opts, bar)?);
+        let (n, bytes) = remove_unused_wake_copies(h, &store);
+        report.wake_copies_removed = n;
+        report.wake_bytes_freed = bytes;
+        trim_cache(&store);
+    }
+    let (freed, problems) = crate::layers::after_removal(h);
+    report.layers_freed = freed;
+    report.problems.extend(problems);
+    Ok(report)
+}
+
+/// Removes materialized snapshots under `store/wake/` that no vm or
+/// checkpoint uses (no disk chain reaches into them, no vm was restored
+/// from them and runs). Returns how many and their bytes.
+fn remove_unused_wake_copies(h: &Host, store: &Store) -> (usize, u64) {
+    let wake = store.dir().join("wake");
+    let Ok(rd) = std::fs::read_dir(&wake) else {
+        return (0, 0);
+    };
+    let used = crate::layers::paths_in_use(h);
+    let mut n = 0;
+    let mut bytes = 0;
+    for e in rd.flatten() {
+        let dir = e.path();
+        if used.iter().any(|p| p.starts_with(&dir)) {
+            continue;
+        }
+        bytes += dir_bytes(&dir);
+        if std::fs::remove_dir_all(&dir).is_ok() {
+            n += 1;
+        }
+    }
+    (n, bytes)
+}
+
+/// Bytes allocated by the files directly in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.blocks() * 512)
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Checks every chunk of the store: present, decompresses, hashes to its name.
+pub fn verify(h: &Host, bar: &dyn Progress) -> crate::Result<store::VerifyReport> {
+    Ok(open(h)?.verify(bar)?)
+}
+
+/// Stores a snapshot directory as snapshot `name` (child of `parent`) and
+/// commits it with branch `name` sleeping in it. Returns the snapshot,
+/// the memory bytes it records itself, the bytes new in the backend and
+/// how each disk was stored.
+fn store_snapshot(
+    store: &Store,
+    dir: &Path,
+    parent: Option<SnapshotId>,
+    name: &str,
+    bar: &dyn Progress,
+) -> crate::Result<(SnapshotId, u64, u64, Vec<DiskReport>)> {
+    let manifest_text = std::fs::read_to_string(dir.join(snapshot_dir::MANIFEST))
+        .context("the staged snapshot has no manifest")?;
+    let manifest: Manifest = serde_json::from_str(&manifest_text)?;
+    let state_bytes = std::fs::read(dir.join(snapshot_dir::STATE))?;
+    let before = store.counters();
+    let mut w = store.begin(parent, &manifest_text)?;
+    let mem = match (parent, dir.join(snapshot_dir::MEMORY_LAYER)) {
+        (Some(p), layer) if layer.is_file() => {
+            let file = vmm::layer::LayerFile::open(&layer)?;
+            match file.base() {
+                Some(b) if file.is_diff() && b == p.0.to_string() => {
+                    let source = DiffSource {
+                        base: store.layer(p, LayerKind::Memory)?,
+                        bitmap: file.flat_bitmap(),
+                        file,
+                    };
+                    let dirty = Dirty::Pages {
+                        bitmap: &source.bitmap,
+                        page_size: 4096,
+                    };
+                    w.put_layer(LayerKind::Memory, &source, &dirty, bar)?
+                }
+                // A full layer (the VMM had no complete dirty set).
+                _ => w.put_layer(LayerKind::Memory, &FullSource(file), &Dirty::All, bar)?,
+            }
+        }
+        _ => {
+            let memory = std::fs::File::open(dir.join(snapshot_dir::MEMORY))?;
+            w.put_layer(LayerKind::Memory, &memory, &Dirty::All, bar)?
+        }
+    };
+    let mut disks = Vec::with_capacity(manifest.disks.len());
+    for (i, d) in manifest.disks.iter().enumerate() {
+        let disk = disk::Disk::open(&d.path, false)
+            .with_context(|| format!("cannot read disk {}", d.path.display()))?;
+        let read_bytes = std::sync::atomic::AtomicU64::new(0);
+        let source = store::FnSource {
+            len: disk.size(),
+            read: |buf: &mut [u8], off: u64| {
+                read_bytes.fetch_add(buf.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                disk.read_at(buf, off)
+                    .map_err(|e| std::io::Error::other(e.to_string()))
+            },
+        };
+        let i = u32::try_from(i).map_err(|_| Error::invalid("too many disks"))?;
+        let changed = disk_changed_windows(store, parent, i, &disk)
+            .with_context(|| format!("cannot map disk {}", d.path.display()))?;
+        let dirty = match &changed {
+            Some(w) => Dirty::Windows(w),
+            None => Dirty::All,
+        };
+        let st = w.put_layer(LayerKind::Disk(i), &source, &dirty, bar)?;
+        disks.push(DiskReport {
+            size: disk.size(),
+            diff: changed.is_some(),
+            read_bytes: read_bytes.into_inner(),
+            logical: st.logical_bytes,
+        });
+    }
+    w.put_blob(snapshot_dir::STATE, state_bytes);
+    if let Ok(l) = std::fs::read(dir.join(gateway::SNAPSHOT_LINEAGE)) {
+        w.put_blob(gateway::SNAPSHOT_LINEAGE, l);
+    }
+    if let Some(pages) = working_set_pages(dir, &manifest) {
+        w.set_working_set(pages);
+    }
+    let change = match store.branch(name)? {
+        Some(b) => BranchChange::Update {
+            id: b.id,
+            state: BranchState::Sleeping,
+        },
+        None => BranchChange::Create {
+            name: name.into(),
+            state: BranchState::Sleeping,
+        },
+    };
+    let (snap, _) = w.commit_branch(change)?;
+    let after = store.counters();
+    Ok((
+        snap,
+        mem.logical_bytes,
+        after.put_bytes.saturating_sub(before.put_bytes),
+        disks,
+    ))
+}
+
+/// The store windows of disk `i` that can differ from the `parent`
+/// snapshot's disk layer `i`, when the chain bottoms out at that layer as
+/// materialized by a wake (`store/wake/PARENT[-lazy]/disk<i>.raw`): the
+/// windows touched by whatever the qcow2 layers above it map (data, zero
+/// and discarded clusters). None (read the whole disk) for any other
+/// chain: a window wrongly left out would lose the guest's data.
+fn disk_changed_windows(
+    store: &Store,
+    parent: Option<SnapshotId>,
+    i: u32,
+    disk: &disk::Disk,
+) -> crate::Result<Option<Vec<u64>>> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(p) = parent else {
+        return Ok(None);
+    };
+    let chain = disk.chain();
+    let Some(bottom) = chain.last() else {
+        return Ok(None);
+    };
+    if chain.len() < 2 || bottom.format != disk::Format::Raw {
+        return Ok(None);
+    }
+    // Same file by identity, however the chain spells its path.
+    let Ok(b) = std::fs::metadata(&bottom.path) else {
+        return Ok(None);
+    };
+    let wake = store.dir().join("wake");
+    let is_base = [p.0.to_string(), format!("{}-lazy", p.0)].iter().any(|n| {
+        std::fs::metadata(wake.join(n).join(format!("disk{i}.raw")))
+            .is_ok_and(|m| (m.dev(), m.ino()) == (b.dev(), b.ino()))
+    });
+    if !is_base {
+        return Ok(None);
+    }
+    let base = match store.layer(p, LayerKind::Disk(i)) {
+        Ok(v) => v,
+        Err(store::StoreError::NoLayer { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if base.size() != disk.size() || bottom.virtual_size != base.size() {
+        return Ok(None);
+    }
+    let ws = base.window_size();
+    let mut windows: Vec<u64> = Vec::new();
+    for r in disk.changed_above(chain.len() - 1)? {
+        let first = r.start / ws;
+        let last = (r.end - 1) / ws;
+        let from = match windows.last() {
+            Some(&l) if l >= first => l + 1,
+            _ => first,
+        };
+        windows.extend(from..=last);
+    }
+    Ok(Some(windows))
+}
+
+/// A diff memory layer read as a whole image: the parent snapshot's
+/// memory (from the store) with the layer's pages over it. Only the
+/// windows holding dirty pages are read.
+struct DiffSource {
+    base: store::LayerView,
+    file: vmm::layer::LayerFile,
+    bitmap: Vec<u64>,
+}
+
+impl store::Source for DiffSource {
+    fn len(&self) -> u64 {
+        self.file.layout().len()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.base
+            .read_at(buf, offset)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        self.file
+            .overlay(buf, offset)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+}
+
+/// A full memory layer file read as an image.
+struct FullSource(vmm::layer::LayerFile);
+
+impl store::Source for FullSource {
+    fn len(&self) -> u64 {
+        self.0.layout().len()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.0
+            .read_at(buf, offset)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+}
+
+/// Writes committed snapshot `id` as a snapshot directory (once per host;
+/// later wakes reuse it) and returns the directory. For a lazy wake
+/// (`lazy`) its `memory` file is only a size (a hole): the VMM pages RAM
+/// in from the store instead.
+fn materialize(
+    store: &Store,
+    id: SnapshotId,
+    lazy: bool,
+    bar: &dyn Progress,
+) -> crate::Result<PathBuf> {
+    let name = if lazy {
+        format!("{}-lazy", id.0)
+    } else {
+        id.0.to_string()
+    };
+    let dir = store.dir().join("wake").join(&name);
+    if dir.join(snapshot_dir::MANIFEST).is_file() {
+        return Ok(dir);
+    }
+    let info = store.snapshot(id)?;
+    let mut manifest: Manifest = serde_json::from_str(&info.manifest)
+        .with_context(|| format!("snapshot {id} has no vm manifest"))?;
+    // The memory is a plain file here, whatever layer it came from.
+    manifest.memory_layer = None;
+    let tmp = store
+        .dir()
+        .join("wake")
+        .join(format!("{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    let memory = store.layer(id, LayerKind::Memory)?;
+    let f = std::fs::File::create(tmp.join(snapshot_dir::MEMORY))?;
+    f.set_len(memory.size())?;
+    if !lazy {
+        memory
+            .restore(&f, true, bar)
+            .with_context(|| format!("cannot read the memory of snapshot {id}"))?;
+        f.sync_all()?;
+    }
+    for (i, d) in manifest.disks.iter_mut().enumerate() {
+        let kind = LayerKind::Disk(u32::try_from(i).map_err(|_| Error::invalid("too many disks"))?);
+        let layer = store.layer(id, kind)?;
+        let f = std::fs::File::create(tmp.join(format!("disk{i}.raw")))?;
+        f.set_len(layer.size())?;
+        layer
+            .restore(&f, true, bar)
+            .with_context(|| format!("cannot read disk {i} of snapshot {id}"))?;
+        f.sync_all()?;
+        // The woken vm stacks its own top layer on the restored contents.
+        d.path = dir.join(format!("disk{i}.raw"));
+        d.frozen = true;
+    }
+    let state_bytes = store
+        .blob(id, snapshot_dir::STATE)?
+        .with_context(|| format!("snapshot {id} has no vCPU and device state"))?;
+    std::fs::write(tmp.join(snapshot_dir::STATE), state_bytes)?;
+    // Whose moment it is: a woken branch continues its effects lineage.
+    if let Some(l) = store.blob(id, gateway::SNAPSHOT_LINEAGE)? {
+        std::fs::write(tmp.join(gateway::SNAPSHOT_LINEAGE), l)?;
+    }
+    std::fs::write(
+        tmp.join(snapshot_dir::MANIFEST),
+        serde_json::to_vec_pretty(&manifest)?,
+    )?;
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => Ok(dir),
+        // Another wake of the same snapshot got there first.
+        Err(_) if dir.join(snapshot_dir::MANIFEST).is_file() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Ok(dir)
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot create {}", dir.display())),
+    }
+}
+
+/// The working set a lazy wake of this vm recorded (copied into the
+/// staged snapshot `dir`), as 4 KiB page numbers of the memory layer in
+/// the order they were first touched.
+fn working_set_pages(dir: &Path, manifest: &Manifest) -> Option<Vec<u64>> {
+    let ws = vmm::pagein::WorkingSet::read(&dir.join(crate::vm::WORKING_SET)).ok()?;
+    let layout = vmm::layer::RamLayout::of(&vmm::moment::ram_regions(manifest.mem_mib));
+    let mut pages = Vec::new();
+    for (gpa, len) in ws.ranges {
+        for p in (gpa..gpa.saturating_add(len)).step_by(4096) {
+            if let Some(off) = layout.offset(p) {
+                pages.push(off / 4096);
+            }
+        }
+    }
+    Some(pages)
+}

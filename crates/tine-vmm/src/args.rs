@@ -1,0 +1,294 @@
+//! The VMM's command line: one vm in the foreground, booted or restored.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use vmm::config::{DiskConfig, NetConfig, VsockConfig};
+use vmm::process::{self, ProcessOptions};
+use vmm::VmConfig;
+
+/// Default command line for Linux guests: console on COM1, reset through
+/// the i8042, reboot on panic, and no probing of absent PC hardware.
+pub const DEFAULT_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 i8042.noaux i8042.nomux i8042.nopnp";
+
+#[derive(Args, Debug)]
+pub struct VmmArgs {
+    /// Kernel: uncompressed ELF vmlinux, bzImage, or a micro guest ELF.
+    #[arg(long, required_unless_present_any = ["image", "from"], conflicts_with_all = ["image", "from"])]
+    kernel: Option<PathBuf>,
+    /// Image: `minimal` or `debian` (built by `tine image build [debian]`),
+    /// `micro-counter`, `micro-memtouch`, or an image directory. An image
+    /// with a root filesystem gets it as /dev/vda (read-only unless the
+    /// first --disk replaces it).
+    #[arg(long, conflicts_with = "from")]
+    image: Option<String>,
+    /// Restore a snapshot directory (`tine snapshot --to DIR`) instead of
+    /// booting: memory is mapped copy-on-write from DIR/memory. Give a
+    /// --disk for every disk of the snapshot, in order (a top layer on
+    /// each frozen layer, or the read-only base with `,ro`).
+    #[arg(long)]
+    from: Option<PathBuf>,
+    /// Initramfs to load (with --kernel).
+    #[arg(long, conflicts_with = "image")]
+    initrd: Option<PathBuf>,
+    /// Kernel command line (default for --kernel: a serial console setup;
+    /// for --image: the image's own).
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Words appended to the command line.
+    #[arg(long)]
+    append: Option<String>,
+    /// Guest memory (e.g. 256M, 1G).
+    #[arg(long, default_value = "256M", value_parser = crate::size::parse_mib)]
+    mem: u64,
+    /// Number of vCPUs (1–4).
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Append the guest console (COM1) to this file.
+    #[arg(long)]
+    console_log: Option<PathBuf>,
+    /// Feed bytes written to this Unix socket to the console.
+    #[arg(long)]
+    console_socket: Option<PathBuf>,
+    /// Attach the console to this process's stdin/stdout.
+    #[arg(long)]
+    console: bool,
+    /// Raw disk image as virtio-blk; append `,ro` for read-only. Repeatable.
+    #[arg(long = "disk")]
+    disks: Vec<String>,
+    /// Tap device as virtio-net, `TAP[,mac=52:54:00:12:34:56]`. Repeatable.
+    #[arg(long = "net")]
+    nets: Vec<String>,
+    /// virtio-vsock with a host Unix socket, `PATH[,cid=3]`.
+    #[arg(long)]
+    vsock: Option<String>,
+    /// Write why the vm ended to this file (JSON) when the VMM exits.
+    #[arg(long, hide = true)]
+    exit_file: Option<PathBuf>,
+    /// Serve the control socket (fork, checkpoint, snapshot) here.
+    #[arg(long, hide = true)]
+    api_socket: Option<PathBuf>,
+    /// The vm's name (for frozen layer names and logs).
+    #[arg(long, hide = true, default_value = "vm")]
+    name: String,
+    /// With --from: page guest RAM in lazily (userfaultfd) from this
+    /// snapshot of the store instead of mapping DIR/memory (`tine wake
+    /// --lazy`).
+    #[arg(long, hide = true, requires = "from")]
+    lazy_snapshot: Option<i64>,
+    /// With --from: track dirty pages from the first instruction,
+    /// relative to this label (the store snapshot being restored), so the
+    /// next `tine sleep` stores only what changed.
+    #[arg(long, hide = true, requires = "from")]
+    dirty_base: Option<String>,
+    /// Where a lazy wake writes the working set it records.
+    #[arg(long, hide = true, requires = "lazy_snapshot")]
+    working_set_out: Option<PathBuf>,
+    /// KVM device to open.
+    #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
+    kvm_device: PathBuf,
+}
+
+pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
+    let opts = ProcessOptions {
+        start_paused: false,
+        name: args.name.clone(),
+        api_socket: args.api_socket.clone(),
+        exit_file: args.exit_file.clone(),
+    };
+    let vmm = match build_or_restore(args) {
+        Ok(v) => v,
+        Err(e) => {
+            process::write_exit(&opts, &format!("failed to start: {e:#}"));
+            return Err(e);
+        }
+    };
+    let exit = process::serve(vmm, opts, || {}).context("vm failed")?;
+    eprintln!("tine: guest {exit}");
+    Ok(ExitCode::from(exit.exit_code() as u8))
+}
+
+fn build_or_restore(args: VmmArgs) -> anyhow::Result<vmm::Vmm> {
+    let mut disks: Vec<DiskConfig> = args.disks.iter().map(|d| parse_disk(d)).collect();
+    let nets = args
+        .nets
+        .iter()
+        .map(|n| parse_net(n))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some(dir) = &args.from {
+        return restore(dir, &args, disks, nets);
+    }
+    let (kernel, initrd, image_cmdline) = match (&args.image, args.kernel) {
+        (Some(name), _) => {
+            let r = image::resolve(&image::default_home()?, name)?;
+            // An image with a root filesystem boots from /dev/vda. The first
+            // --disk, when given, stands in for it (`tine run` passes the
+            // vm's own overlay); otherwise the cached base is attached
+            // read-only, so no guest ever writes it.
+            if let (Some(rootfs), true) = (r.rootfs, disks.is_empty()) {
+                disks.push(DiskConfig {
+                    path: rootfs,
+                    read_only: true,
+                });
+            }
+            (r.kernel, r.initrd, r.cmdline)
+        }
+        (None, Some(kernel)) => (kernel, args.initrd, DEFAULT_CMDLINE.to_string()),
+        (None, None) => anyhow::bail!("give --kernel PATH, --image NAME or --from DIR"),
+    };
+    let mut cmdline = args.cmdline.unwrap_or(image_cmdline);
+    if let Some(extra) = &args.append {
+        if !cmdline.is_empty() {
+            cmdline.push(' ');
+        }
+        cmdline.push_str(extra);
+    }
+    let config = VmConfig {
+        kernel,
+        initrd,
+        cmdline,
+        mem_mib: args.mem,
+        vcpus: args.vcpus,
+        console_log: args.console_log,
+        console_stdout: args.console,
+        console_stdin: args.console,
+        console_socket: args.console_socket,
+        disks,
+        nets,
+        vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
+        kvm_device: args.kvm_device,
+    };
+    Ok(vmm::build(&config)?)
+}
+
+/// A vm from a snapshot directory: checked (manifest, state, host
+/// compatibility, memory file) before anything is created.
+fn restore(
+    dir: &std::path::Path,
+    args: &VmmArgs,
+    disks: Vec<DiskConfig>,
+    nets: Vec<NetConfig>,
+) -> anyhow::Result<vmm::Vmm> {
+    let (manifest, moment) = vmm::snapshot_dir::load(dir)?;
+    vmm::snapshot_dir::check_host(dir, &manifest, &args.kvm_device)?;
+    anyhow::ensure!(
+        disks.len() == manifest.disks.len(),
+        "the snapshot has {} disk(s); give one --disk for each (got {})",
+        manifest.disks.len(),
+        disks.len()
+    );
+    let vsock = match (&args.vsock, manifest.vsock_cid) {
+        (Some(v), Some(cid)) => Some(VsockConfig {
+            guest_cid: cid,
+            ..parse_vsock(v)?
+        }),
+        (None, Some(_)) => anyhow::bail!("the snapshot has a vsock device; give --vsock PATH"),
+        (Some(_), None) => anyhow::bail!("the snapshot has no vsock device; drop --vsock"),
+        (None, None) => None,
+    };
+    let config = VmConfig {
+        mem_mib: manifest.mem_mib,
+        vcpus: u8::try_from(manifest.vcpus).unwrap_or(u8::MAX),
+        console_log: args.console_log.clone(),
+        console_stdout: args.console,
+        console_stdin: args.console,
+        console_socket: args.console_socket.clone(),
+        disks,
+        nets,
+        vsock,
+        kvm_device: args.kvm_device.clone(),
+        ..VmConfig::default()
+    };
+    if let Some(id) = args.lazy_snapshot {
+        let (source, prefetch) =
+            crate::store_source::lazy_source(id, vmm::layer::RamLayout::of(&moment.ram_regions()))?;
+        let options = vmm::pagein::LazyOptions {
+            working_set_out: args.working_set_out.clone(),
+            prefetch,
+            ..Default::default()
+        };
+        let mut vmm = vmm::pagein::restore_lazy(&config, &moment, source, options)?;
+        track_dirty(&mut vmm, args);
+        return Ok(vmm);
+    }
+    let mem =
+        vmm::memory::map_file_private(&dir.join(vmm::snapshot_dir::MEMORY), &moment.ram_regions())?;
+    let mut vmm = vmm::restore(&config, mem, vmm::memory::RamBacking::Private, &moment)?;
+    track_dirty(&mut vmm, args);
+    Ok(vmm)
+}
+
+fn track_dirty(vmm: &mut vmm::Vmm, args: &VmmArgs) {
+    if let Some(base) = &args.dirty_base {
+        vmm.track_dirty(vmm::dirty::DirtyTracking {
+            enabled: true,
+            base: Some(base.clone()),
+        });
+    }
+}
+
+fn parse_disk(s: &str) -> DiskConfig {
+    match s.strip_suffix(",ro") {
+        Some(path) => DiskConfig {
+            path: path.into(),
+            read_only: true,
+        },
+        None => DiskConfig {
+            path: s.into(),
+            read_only: false,
+        },
+    }
+}
+
+fn parse_net(s: &str) -> anyhow::Result<NetConfig> {
+    let mut parts = s.split(',');
+    let tap = parts.next().unwrap_or_default().to_string();
+    anyhow::ensure!(!tap.is_empty(), "--net needs a tap name, e.g. --net tap0");
+    let mut mac = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+    for p in parts {
+        let v = p
+            .strip_prefix("mac=")
+            .with_context(|| format!("unknown --net option {p:?}; use mac=52:54:00:12:34:56"))?;
+        mac = parse_mac(v)?;
+    }
+    Ok(NetConfig {
+        tap,
+        mac,
+        tap_fd: None,
+    })
+}
+
+fn parse_mac(s: &str) -> anyhow::Result<[u8; 6]> {
+    let bytes: Vec<u8> = s
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("bad MAC address {s:?}"))?;
+    bytes
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("bad MAC address {s:?}: need six bytes"))
+}
+
+fn parse_vsock(s: &str) -> anyhow::Result<VsockConfig> {
+    let mut parts = s.split(',');
+    let path = parts.next().unwrap_or_default();
+    anyhow::ensure!(!path.is_empty(), "--vsock needs a socket path");
+    let mut guest_cid = 3;
+    for p in parts {
+        let v = p
+            .strip_prefix("cid=")
+            .with_context(|| format!("unknown --vsock option {p:?}; use cid=N"))?;
+        guest_cid = v.parse().with_context(|| format!("bad vsock cid {v:?}"))?;
+    }
+    anyhow::ensure!(
+        guest_cid > 2,
+        "vsock cid {guest_cid} is reserved; use 3 or more"
+    );
+    Ok(VsockConfig {
+        guest_cid,
+        uds_path: path.into(),
+    })
+}

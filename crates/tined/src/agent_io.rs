@@ -1,0 +1,439 @@
+//! Work inside a vm through its agent: exec (buffered JSON, or streamed as
+//! NDJSON lines as the output comes), file download and upload, the
+//! console, and `attach`: an HTTP upgrade after which the connection *is*
+//! the agent's protocol (crates/protocol), for the CLI's `exec` and `cp`
+//! with stdin and stdout passed through as they come.
+
+use std::io::Write;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::app::{blocking, JsonBody, Shared};
+use crate::error::{ApiError, ApiResult, ErrorBody};
+
+/// A command to run in the guest.
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
+pub struct ExecSpec {
+    /// The command and its arguments.
+    pub argv: Vec<String>,
+    /// Environment added for it.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// Working directory in the guest.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Kill it (its whole process group) after this many seconds.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// Its stdin, base64 (closed after; none: empty).
+    #[serde(default)]
+    pub stdin_b64: Option<String>,
+}
+
+/// How a command ended, with its output (the buffered form).
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
+pub struct ExecResult {
+    /// The exit code, or 128 + the signal.
+    pub exit_code: i32,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    /// Output as UTF-8 (invalid bytes replaced); `*_b64` hold the bytes.
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_b64: String,
+    pub stderr_b64: String,
+}
+
+/// One line of the streamed form (`Accept: application/x-ndjson`).
+#[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEvent {
+    Stdout {
+        data_b64: String,
+    },
+    Stderr {
+        data_b64: String,
+    },
+    Exit {
+        exit_code: i32,
+        signal: Option<i32>,
+        timed_out: bool,
+    },
+    Error {
+        error: ErrorBody,
+    },
+}
+
+fn request(spec: &ExecSpec) -> ApiResult<(protocol::client::ExecRequest, Vec<u8>)> {
+    if spec.argv.is_empty() {
+        return Err(ApiError::invalid("argv is empty: say what to run"));
+    }
+    let timeout = match spec.timeout_s {
+        Some(t) if t > 0.0 && t.is_finite() && t < 1e7 => Some(Duration::from_secs_f64(t)),
+        Some(t) => {
+            return Err(ApiError::invalid(format!(
+                "timeout_s {t} must be a positive number of seconds"
+            )))
+        }
+        None => None,
+    };
+    let stdin = match &spec.stdin_b64 {
+        Some(b) => base64::engine::general_purpose::STANDARD
+            .decode(b.as_bytes())
+            .map_err(|e| ApiError::invalid(format!("stdin_b64 is not base64: {e}")))?,
+        None => Vec::new(),
+    };
+    Ok((
+        protocol::client::ExecRequest {
+            argv: spec.argv.clone(),
+            env: spec
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            cwd: spec.cwd.clone(),
+            timeout,
+        },
+        stdin,
+    ))
+}
+
+/// Output going to a channel, chunk by chunk (the streamed form).
+struct ChanWriter {
+    tx: tokio::sync::mpsc::Sender<ExecEvent>,
+    stderr: bool,
+}
+
+impl Write for ChanWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let data_b64 = base64::engine::general_purpose::STANDARD.encode(buf);
+        let ev = if self.stderr {
+            ExecEvent::Stderr { data_b64 }
+        } else {
+            ExecEvent::Stdout { data_b64 }
+        };
+        self.tx
+            .blocking_send(ev)
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client gone"))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/exec", tag = "agent", request_body = ExecSpec,
+    params(("name" = String, Path)),
+    responses((status = 200, body = ExecResult,
+        description = "Buffered; with `Accept: application/x-ndjson` one ExecEvent per line as output comes"),
+        (status = 409, body = ErrorBody)))]
+pub async fn exec(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<ExecSpec>,
+) -> ApiResult<Response> {
+    let (req, stdin) = request(&spec)?;
+    let st = s.clone();
+    let n = name.clone();
+    let conn = blocking(move || host::exec::connect(&st.host, &n)).await?;
+    let streamed = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/x-ndjson"));
+    if streamed {
+        let (tx, rx) = tokio::sync::mpsc::channel::<ExecEvent>(64);
+        tokio::task::spawn_blocking(move || {
+            let mut conn = conn;
+            let out = ChanWriter {
+                tx: tx.clone(),
+                stderr: false,
+            };
+            let err = ChanWriter {
+                tx: tx.clone(),
+                stderr: true,
+            };
+            let ev = match protocol::client::exec(
+                &mut conn,
+                req,
+                Some(std::io::Cursor::new(stdin)),
+                out,
+                err,
+            ) {
+                Ok(info) => ExecEvent::Exit {
+                    exit_code: info.exit_code(),
+                    signal: info.signal,
+                    timed_out: info.timed_out,
+                },
+                Err(e) => ExecEvent::Error {
+                    error: ErrorBody {
+                        code: "failed".into(),
+                        message: format!("exec in vm {name:?} failed: {e}"),
+                    },
+                },
+            };
+            let _ = tx.blocking_send(ev);
+        });
+        let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(|ev| {
+            let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+            line.push(b'\n');
+            Ok::<_, std::convert::Infallible>(Bytes::from(line))
+        });
+        return Ok((
+            [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+            Body::from_stream(body),
+        )
+            .into_response());
+    }
+    let res = tokio::task::spawn_blocking(move || {
+        let mut conn = conn;
+        let mut out = Vec::new();
+        let mut err = Vec::new();
+        let info = protocol::client::exec(
+            &mut conn,
+            req,
+            Some(std::io::Cursor::new(stdin)),
+            &mut out,
+            &mut err,
+        );
+        info.map(|i| (i, out, err))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))?;
+    let (info, out, err) =
+        res.map_err(|e| ApiError::from(host::Error::from(e).context("exec failed")))?;
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    Ok(Json(ExecResult {
+        exit_code: info.exit_code(),
+        signal: info.signal,
+        timed_out: info.timed_out,
+        stdout: String::from_utf8_lossy(&out).into_owned(),
+        stderr: String::from_utf8_lossy(&err).into_owned(),
+        stdout_b64: b64(&out),
+        stderr_b64: b64(&err),
+    })
+    .into_response())
+}
+
+/// The upgrade protocol `attach` speaks.
+pub const ATTACH_PROTOCOL: &str = "tine-agent";
+
+#[utoipa::path(post, path = "/v1/vms/{name}/attach", tag = "agent",
+    params(("name" = String, Path)),
+    responses((status = 101, description = "Upgrade: tine-agent; the connection speaks the agent protocol (Hello done)"),
+        (status = 409, body = ErrorBody)))]
+pub async fn attach(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    let wants = req
+        .headers()
+        .get(axum::http::header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case(ATTACH_PROTOCOL));
+    if !wants {
+        return Err(ApiError::invalid(format!(
+            "attach needs `Connection: upgrade` and `Upgrade: {ATTACH_PROTOCOL}`"
+        )));
+    }
+    let st = s.clone();
+    let conn = blocking(move || host::exec::connect(&st.host, &name)).await?;
+    conn.set_nonblocking(true)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let mut agent =
+        tokio::net::UnixStream::from_std(conn).map_err(|e| ApiError::internal(e.to_string()))?;
+    tokio::spawn(async move {
+        match hyper::upgrade::on(req).await {
+            Ok(up) => {
+                let mut up = hyper_util::rt::TokioIo::new(up);
+                let _ = tokio::io::copy_bidirectional(&mut up, &mut agent).await;
+            }
+            Err(e) => tracing::warn!("attach: the upgrade failed: {e}"),
+        }
+    });
+    Ok((
+        StatusCode::SWITCHING_PROTOCOLS,
+        [
+            (axum::http::header::CONNECTION, "upgrade"),
+            (axum::http::header::UPGRADE, ATTACH_PROTOCOL),
+        ],
+    )
+        .into_response())
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct FileQuery {
+    /// Absolute path in the guest.
+    pub path: String,
+    /// Permission bits for an upload (octal text, default 644).
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+fn guest_path(p: &str) -> ApiResult<()> {
+    if !p.starts_with('/') || p.contains('\0') || p.split('/').any(|c| c == "..") {
+        return Err(ApiError::invalid(format!(
+            "{p:?} is not an absolute guest path without `..`"
+        )));
+    }
+    Ok(())
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/files", tag = "agent",
+    params(("name" = String, Path), FileQuery),
+    responses((status = 200, description = "The file's bytes", content_type = "application/octet-stream"),
+        (status = 404, body = ErrorBody)))]
+pub async fn read_file(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<FileQuery>,
+) -> ApiResult<Response> {
+    guest_path(&q.path)?;
+    let st = s.clone();
+    let path = q.path.clone();
+    let (info, bytes) = blocking(move || {
+        let mut conn = host::exec::connect(&st.host, &name)?;
+        let mut out = Vec::new();
+        let info = protocol::client::read_file(&mut conn, &path, &mut out)
+            .map_err(|e| host::Error::not_found(format!("cannot read {name}:{path}: {e}")))?;
+        Ok((info, out))
+    })
+    .await?;
+    Ok((
+        [
+            (
+                axum::http::header::CONTENT_TYPE,
+                "application/octet-stream".to_string(),
+            ),
+            (
+                axum::http::HeaderName::from_static("x-file-mode"),
+                format!("{:o}", info.mode),
+            ),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
+/// Largest upload accepted in one request.
+const MAX_UPLOAD: usize = 1 << 30;
+
+#[utoipa::path(put, path = "/v1/vms/{name}/files", tag = "agent",
+    params(("name" = String, Path), FileQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 204, description = "Written"), (status = 400, body = ErrorBody)))]
+pub async fn write_file(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<FileQuery>,
+    req: Request,
+) -> ApiResult<StatusCode> {
+    guest_path(&q.path)?;
+    let mode = match &q.mode {
+        Some(m) => u32::from_str_radix(m, 8)
+            .ok()
+            .filter(|m| *m <= 0o7777)
+            .ok_or_else(|| ApiError::invalid(format!("mode {m:?} is not octal permission bits")))?,
+        None => 0o644,
+    };
+    let body = crate::app::read_limited(req, &(), MAX_UPLOAD).await?;
+    let st = s.clone();
+    let path = q.path.clone();
+    blocking(move || {
+        let mut conn = host::exec::connect(&st.host, &name)?;
+        protocol::client::write_file(&mut conn, &path, mode, &body[..])
+            .map_err(|e| host::Error::failed(format!("cannot write {name}:{path}: {e}")))?;
+        Ok(())
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct ConsoleQuery {
+    /// Keep sending new output until the vm ends.
+    #[serde(default)]
+    pub follow: bool,
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/console", tag = "vms",
+    params(("name" = String, Path), ConsoleQuery),
+    responses((status = 200, description = "The console log (streamed with follow)", content_type = "text/plain")))]
+pub async fn console(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<ConsoleQuery>,
+) -> ApiResult<Response> {
+    let st = s.clone();
+    let n = name.clone();
+    let (path, _) = blocking(move || host::vm::console_log(&st.host, &n)).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let st = s.clone();
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let Ok(mut f) = std::fs::File::open(&path) else {
+            return;
+        };
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match f.read(&mut buf) {
+                Ok(0) | Err(_) => {
+                    let running = host::vm::console_log(&st.host, &name)
+                        .map(|(_, r)| r)
+                        .unwrap_or(false);
+                    if !q.follow || !running || tx.is_closed() {
+                        // One more read catches what was written just before the end.
+                        if let Ok(n) = f.read(&mut buf) {
+                            let _ = tx.blocking_send(Bytes::copy_from_slice(&buf[..n]));
+                        }
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Ok(n) => {
+                    if tx.blocking_send(Bytes::copy_from_slice(&buf[..n])).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let body =
+        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; charset=utf-8",
+        )],
+        Body::from_stream(body),
+    )
+        .into_response())
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct ConsoleLine {
+    /// Typed into COM1, followed by a newline.
+    pub line: String,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/console", tag = "vms", request_body = ConsoleLine,
+    params(("name" = String, Path)),
+    responses((status = 204, description = "Sent"), (status = 409, body = ErrorBody)))]
+pub async fn console_send(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(l): JsonBody<ConsoleLine>,
+) -> ApiResult<StatusCode> {
+    let st = s.clone();
+    blocking(move || host::vm::console_send(&st.host, &name, &l.line)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,1036 @@
+//! The HTTP API: `app()` builds the router over the engine (crates/host).
+//! Every handler parses and checks its input, runs the engine's call on
+//! the blocking pool (the engine is synchronous: it talks to VMMs over
+//! Unix sockets and waits on processes) and answers JSON. A client that
+//! goes away does not cancel the operation: the blocking task runs to its
+//! end and records what it did.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ApiError, ApiResult, ErrorBody};
+use crate::events::Events;
+use crate::idem::{Answer, Idempotency};
+use crate::metrics::Metrics;
+use crate::ops::{Operation, Operations};
+
+/// Largest JSON body accepted.
+pub const MAX_JSON: usize = 4 << 20;
+
+/// What every handler shares.
+pub struct AppState {
+    pub host: host::Host,
+    pub ops: Operations,
+    pub events: Events,
+    pub metrics: Metrics,
+    pub idem: Idempotency,
+    pub started: Instant,
+    /// Unix ms of the last request (for the idle exit).
+    pub last_request: AtomicU64,
+    /// Identifies this tined's build (the CLI restarts a stale daemon).
+    pub build: String,
+    /// Set by `POST /v1/shutdown`.
+    pub shutdown: tokio::sync::Notify,
+}
+
+pub type Shared = Arc<AppState>;
+
+impl AppState {
+    pub fn new(host: host::Host, build: String) -> Shared {
+        Arc::new(AppState {
+            idem: Idempotency::new(&host.home),
+            host,
+            ops: Operations::default(),
+            events: Events::default(),
+            metrics: Metrics::default(),
+            started: Instant::now(),
+            last_request: AtomicU64::new(host::state::now_ms()),
+            build,
+            shutdown: tokio::sync::Notify::new(),
+        })
+    }
+}
+
+/// The router.
+pub fn app(state: Shared) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/shutdown", post(shutdown))
+        .route("/v1/vms", get(list_vms).post(run_vm))
+        .route("/v1/vms/{name}", get(get_vm).delete(remove_vm))
+        .route("/v1/vms/{name}/stop", post(stop_vm))
+        .route("/v1/vms/{name}/kill", post(kill_vm))
+        .route("/v1/vms/{name}/fork", post(fork_vm))
+        .route(
+            "/v1/vms/{name}/checkpoints",
+            get(list_checkpoints).post(create_checkpoint),
+        )
+        .route(
+            "/v1/vms/{name}/checkpoints/{tag}",
+            delete(delete_checkpoint),
+        )
+        .route("/v1/vms/{name}/rollback", post(rollback_vm))
+        .route("/v1/vms/{name}/snapshot", post(snapshot_vm))
+        .route("/v1/vms/{name}/sleep", post(sleep_vm))
+        .route("/v1/vms/{name}/disks", get(disk_layers))
+        .route(
+            "/v1/vms/{name}/contract",
+            get(get_contract).put(set_contract),
+        )
+        .route("/v1/vms/{name}/secrets", get(list_secrets))
+        .route(
+            "/v1/vms/{name}/secrets/{secret}",
+            axum::routing::put(add_secret),
+        )
+        .route("/v1/vms/{name}/effects", get(vm_effects))
+        .route("/v1/vms/{name}/effects/resolve", post(resolve_effect))
+        .route("/v1/vms/{name}/exec", post(crate::agent_io::exec))
+        .route("/v1/vms/{name}/attach", post(crate::agent_io::attach))
+        .route(
+            "/v1/vms/{name}/files",
+            get(crate::agent_io::read_file).put(crate::agent_io::write_file),
+        )
+        .route(
+            "/v1/vms/{name}/console",
+            get(crate::agent_io::console).post(crate::agent_io::console_send),
+        )
+        .route("/v1/branches", get(list_branches))
+        .route("/v1/branches/{name}", delete(remove_branch))
+        .route("/v1/branches/{name}/wake", post(wake_branch))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/tree", get(lineage))
+        .route("/v1/tree/store", get(store_tree))
+        .route("/v1/gc", post(gc))
+        .route("/v1/store/verify", post(verify))
+        .route("/v1/images", get(list_images).post(build_image))
+        .route("/v1/gateway", get(gateway_status).post(gateway_control))
+        .route("/v1/operations", get(list_operations))
+        .route("/v1/operations/{id}", get(get_operation))
+        .route(
+            "/v1/operations/{id}/events",
+            get(crate::stream::operation_events),
+        )
+        .route("/v1/events", get(crate::stream::events))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+async fn count_requests(
+    State(s): State<Shared>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    s.last_request
+        .store(host::state::now_ms(), Ordering::Relaxed);
+    let method = req.method().to_string();
+    let res = next.run(req).await;
+    s.metrics
+        .requests
+        .get_or_create(&crate::metrics::RequestLabels {
+            method,
+            status: res.status().as_u16(),
+        })
+        .inc();
+    res
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no such endpoint: {} {} (see /v1/openapi.json)",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+/// A JSON body, parsed with a clear error (and a size limit).
+pub struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let body = read_limited(req, state, MAX_JSON).await?;
+        parse_json(&body).map(JsonBody)
+    }
+}
+
+/// The body of `req`, at most `limit` bytes.
+pub async fn read_limited<S: Send + Sync>(
+    req: Request,
+    state: &S,
+    limit: usize,
+) -> ApiResult<Bytes> {
+    let req = req.map(|b| axum::body::Body::new(http_body_util::Limited::new(b, limit)));
+    Bytes::from_request(req, state).await.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("the request body is larger than {limit} bytes"),
+            )
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"))
+        }
+    })
+}
+
+/// Parses a JSON body; an empty body is `{}`.
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        body
+    };
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(format!(
+            "the request body is not valid JSON for this call: {e}"
+        ))
+    })
+}
+
+/// Runs an engine call on the blocking pool.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> host::Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
+        .map_err(ApiError::from)
+}
+
+fn json<T: Serialize>(v: &T) -> ApiResult<serde_json::Value> {
+    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// Runs `f` once per `Idempotency-Key` (when the request has one): a
+/// repeat gets the stored answer.
+async fn idempotent<F, Fut>(
+    s: &Shared,
+    headers: &HeaderMap,
+    fingerprint: String,
+    f: F,
+) -> ApiResult<Response>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ApiResult<(StatusCode, serde_json::Value)>>,
+{
+    let key = match headers.get("idempotency-key") {
+        None => {
+            let (status, v) = f().await?;
+            return Ok((status, Json(v)).into_response());
+        }
+        Some(k) => k
+            .to_str()
+            .ok()
+            .filter(|k| !k.is_empty() && k.len() <= crate::idem::MAX_KEY)
+            .ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "the Idempotency-Key header must be 1-{} visible characters",
+                    crate::idem::MAX_KEY
+                ))
+            })?
+            .to_string(),
+    };
+    let lock = s.idem.lock(&key);
+    let _held = lock.lock().await;
+    let replay = |a: Answer| -> ApiResult<Response> {
+        if a.fingerprint != fingerprint {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "conflict",
+                "this Idempotency-Key was used for a different request; use a new key",
+            ));
+        }
+        let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::OK);
+        let mut r = (status, Json(a.body)).into_response();
+        r.headers_mut().insert(
+            "idempotent-replay",
+            axum::http::HeaderValue::from_static("true"),
+        );
+        Ok(r)
+    };
+    if let Some(a) = s.idem.get(&key) {
+        return replay(a);
+    }
+    let (status, body) = match f().await {
+        Ok(x) => x,
+        Err(e) => (e.status, json(&e.body)?),
+    };
+    s.idem.put(
+        &key,
+        &Answer {
+            fingerprint,
+            status: status.as_u16(),
+            body: body.clone(),
+            stored_ms: host::state::now_ms(),
+        },
+    );
+    Ok((status, Json(body)).into_response())
+}
+
+fn fingerprint(method: &str, path: &str, body: &impl Serialize) -> String {
+    let b = serde_json::to_vec(body).unwrap_or_default();
+    format!("{method} {path} {}", blake3::hash(&b).to_hex())
+}
+
+// --- meta ---
+
+/// tined's version and state.
+#[derive(Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Health {
+    pub ok: bool,
+    pub version: String,
+    /// Identifies the build (executable path and time).
+    pub build: String,
+    pub pid: u32,
+    pub home: String,
+    pub uptime_s: u64,
+    pub operations_running: usize,
+}
+
+#[utoipa::path(get, path = "/v1/health", tag = "meta", responses((status = 200, body = Health)))]
+pub async fn health(State(s): State<Shared>) -> Json<Health> {
+    Json(Health {
+        ok: true,
+        version: env!("CARGO_PKG_VERSION").into(),
+        build: s.build.clone(),
+        pid: std::process::id(),
+        home: s.host.home.display().to_string(),
+        uptime_s: s.started.elapsed().as_secs(),
+        operations_running: s.ops.running(),
+    })
+}
+
+#[utoipa::path(post, path = "/v1/shutdown", tag = "meta",
+    responses((status = 202, description = "tined exits; vms keep running and the next tined adopts them")))]
+pub async fn shutdown(State(s): State<Shared>) -> StatusCode {
+    s.shutdown.notify_one();
+    StatusCode::ACCEPTED
+}
+
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "meta",
+    responses((status = 200, description = "This API's OpenAPI 3.1 document")))]
+pub async fn openapi() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        crate::openapi::document(),
+    )
+        .into_response()
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "meta",
+    responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain")))]
+pub async fn metrics(State(s): State<Shared>) -> ApiResult<Response> {
+    let st = s.clone();
+    let sample = blocking(move || Ok(crate::metrics_sample(&st.host))).await?;
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.render(&sample),
+    )
+        .into_response())
+}
+
+// --- vms ---
+
+#[utoipa::path(get, path = "/v1/vms", tag = "vms",
+    responses((status = 200, body = Vec<host::vm::VmInfo>)))]
+pub async fn list_vms(State(s): State<Shared>) -> ApiResult<Json<Vec<host::vm::VmInfo>>> {
+    let st = s.clone();
+    Ok(Json(blocking(move || host::vm::list(&st.host)).await?))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}", tag = "vms",
+    params(("name" = String, Path, description = "The vm")),
+    responses((status = 200, body = host::vm::VmInfo), (status = 404, body = ErrorBody)))]
+pub async fn get_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<host::vm::VmInfo>> {
+    let st = s.clone();
+    Ok(Json(
+        blocking(move || host::vm::info(&st.host, &name)).await?,
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/vms", tag = "vms", request_body = host::vm::RunSpec,
+    params(("Idempotency-Key" = Option<String>, Header, description = "Run once per key")),
+    responses((status = 201, body = host::vm::RunReport), (status = 400, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn run_vm(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<host::vm::RunSpec>,
+) -> ApiResult<Response> {
+    let fp = fingerprint("POST", "/v1/vms", &spec);
+    idempotent(&s, &headers, fp, || async {
+        let st = s.clone();
+        let name = spec.name.clone();
+        let report = blocking(move || host::vm::start(&st.host, spec)).await?;
+        s.metrics
+            .wakes
+            .get_or_create(&crate::metrics::KindLabel {
+                kind: "boot".into(),
+            })
+            .inc();
+        s.events.emit(
+            "vm.started",
+            &name,
+            serde_json::json!({ "pid": report.pid }),
+        );
+        Ok((StatusCode::CREATED, json(&report)?))
+    })
+    .await
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct ForceQuery {
+    /// Kill it first if it runs.
+    #[serde(default)]
+    pub force: bool,
+}
+
+#[utoipa::path(delete, path = "/v1/vms/{name}", tag = "vms",
+    params(("name" = String, Path), ForceQuery),
+    responses((status = 200, body = host::vm::Removed), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn remove_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<ForceQuery>,
+) -> ApiResult<Json<host::vm::Removed>> {
+    let st = s.clone();
+    let n = name.clone();
+    let r = blocking(move || host::vm::remove(&st.host, &n, q.force)).await?;
+    s.events.emit(
+        if r.what == "branch" {
+            "branch.removed"
+        } else {
+            "vm.removed"
+        },
+        &name,
+        json(&r)?,
+    );
+    Ok(Json(r))
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct StopSpec {
+    /// Seconds to wait for a clean shutdown (default 60).
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+}
+
+/// How a stop or kill went.
+#[derive(Serialize, Deserialize, utoipa::ToSchema)]
+pub struct StopReport {
+    pub name: String,
+    pub stopped: host::vm::Stopped,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/stop", tag = "vms", request_body = StopSpec,
+    params(("name" = String, Path)), responses((status = 200, body = StopReport)))]
+pub async fn stop_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<StopSpec>,
+) -> ApiResult<Json<StopReport>> {
+    let st = s.clone();
+    let n = name.clone();
+    let timeout = std::time::Duration::from_secs(spec.timeout_s.unwrap_or(60));
+    let stopped = blocking(move || host::vm::stop(&st.host, &n, timeout)).await?;
+    s.events
+        .emit("vm.stopped", &name, serde_json::json!({ "how": stopped }));
+    Ok(Json(StopReport { name, stopped }))
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/kill", tag = "vms",
+    params(("name" = String, Path)), responses((status = 200, body = StopReport)))]
+pub async fn kill_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<StopReport>> {
+    let st = s.clone();
+    let n = name.clone();
+    let stopped = blocking(move || host::vm::kill(&st.host, &n)).await?;
+    s.events
+        .emit("vm.stopped", &name, serde_json::json!({ "how": stopped }));
+    Ok(Json(StopReport { name, stopped }))
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/fork", tag = "moments", request_body = host::fork::ForkSpec,
+    params(("name" = String, Path),
+        ("Idempotency-Key" = Option<String>, Header, description = "Fork once per key")),
+    responses((status = 200, body = host::fork::ForkReport), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn fork_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<host::fork::ForkSpec>,
+) -> ApiResult<Response> {
+    let fp = fingerprint("POST", &format!("/v1/vms/{name}/fork"), &spec);
+    idempotent(&s, &headers, fp, || async {
+        let st = s.clone();
+        let n = name.clone();
+        let report = blocking(move || host::fork::fork(&st.host, &n, &spec)).await?;
+        s.metrics.forks.inc();
+        if let Some(p) = report.pause_ms {
+            s.metrics.fork_pause.observe(p / 1000.0);
+        }
+        for c in &report.child_running_ms {
+            s.metrics.fork_child_running.observe(c / 1000.0);
+        }
+        s.metrics.fork_total.observe(report.total_ms / 1000.0);
+        s.metrics
+            .wakes
+            .get_or_create(&crate::metrics::KindLabel {
+                kind: "child".into(),
+            })
+            .inc_by(report.children.len() as u64);
+        s.events.emit(
+            "vm.forked",
+            &name,
+            serde_json::json!({ "children": report.names, "pause_ms": report.pause_ms }),
+        );
+        Ok((StatusCode::OK, json(&report)?))
+    })
+    .await
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/checkpoints", tag = "moments",
+    params(("name" = String, Path)),
+    responses((status = 200, body = Vec<host::fork::CheckpointRecord>)))]
+pub async fn list_checkpoints(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<Vec<host::fork::CheckpointRecord>>> {
+    let st = s.clone();
+    Ok(Json(
+        blocking(move || {
+            host::vm::info(&st.host, &name)?;
+            host::fork::list_checkpoints(&st.host, &name)
+        })
+        .await?,
+    ))
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct CheckpointSpec {
+    /// The checkpoint's name (default cp1, cp2, ...).
+    #[serde(default)]
+    pub tag: Option<String>,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/checkpoints", tag = "moments",
+    request_body = CheckpointSpec, params(("name" = String, Path)),
+    responses((status = 201, body = host::fork::MomentReport), (status = 409, body = ErrorBody)))]
+pub async fn create_checkpoint(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<CheckpointSpec>,
+) -> ApiResult<(StatusCode, Json<host::fork::MomentReport>)> {
+    let st = s.clone();
+    let n = name.clone();
+    let r = blocking(move || host::fork::checkpoint(&st.host, &n, spec.tag)).await?;
+    s.events.emit(
+        "vm.checkpointed",
+        &name,
+        serde_json::json!({ "tag": r.tag, "pause_ms": r.pause_ms }),
+    );
+    Ok((StatusCode::CREATED, Json(r)))
+}
+
+#[utoipa::path(delete, path = "/v1/vms/{name}/checkpoints/{tag}", tag = "moments",
+    params(("name" = String, Path), ("tag" = String, Path)),
+    responses((status = 200, body = host::vm::Removed), (status = 404, body = ErrorBody)))]
+pub async fn delete_checkpoint(
+    State(s): State<Shared>,
+    Path((name, tag)): Path<(String, String)>,
+) -> ApiResult<Json<host::vm::Removed>> {
+    let st = s.clone();
+    let (n, t) = (name.clone(), tag.clone());
+    let r = blocking(move || host::fork::delete_checkpoint(&st.host, &n, &t)).await?;
+    s.events
+        .emit("checkpoint.removed", &format!("{name}@{tag}"), json(&r)?);
+    Ok(Json(r))
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct RollbackSpec {
+    pub tag: String,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/rollback", tag = "moments",
+    request_body = RollbackSpec, params(("name" = String, Path)),
+    responses((status = 200, body = host::fork::MomentReport), (status = 404, body = ErrorBody)))]
+pub async fn rollback_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<RollbackSpec>,
+) -> ApiResult<Json<host::fork::MomentReport>> {
+    let st = s.clone();
+    let n = name.clone();
+    let r = blocking(move || host::fork::rollback(&st.host, &n, &spec.tag)).await?;
+    s.metrics
+        .wakes
+        .get_or_create(&crate::metrics::KindLabel {
+            kind: "rollback".into(),
+        })
+        .inc();
+    s.events
+        .emit("vm.rolled_back", &name, serde_json::json!({ "tag": r.tag }));
+    Ok(Json(r))
+}
+
+/// Starts a long operation on the blocking pool and answers 202 with it.
+fn start_operation<T: Serialize + 'static>(
+    s: &Shared,
+    kind: &'static str,
+    target: String,
+    event: &'static str,
+    f: impl FnOnce(&host::Host, &dyn store::Progress) -> host::Result<T> + Send + 'static,
+) -> Response {
+    let op = s.ops.start(kind, &target);
+    let first = op.get();
+    let st = s.clone();
+    let h = op.clone();
+    tokio::task::spawn_blocking(move || {
+        let res = f(&st.host, &*h);
+        let res = match res {
+            Ok(v) => serde_json::to_value(&v)
+                .map_err(|e| ApiError::internal(e.to_string()))
+                .map_err(|e| (e.status.as_u16(), e.body)),
+            Err(e) => {
+                let e = ApiError::from(e);
+                Err((e.status.as_u16(), e.body))
+            }
+        };
+        let ok = res.is_ok();
+        if let Ok(v) = &res {
+            st.events.emit(event, &target, v.clone());
+        }
+        h.finish(res);
+        st.metrics
+            .operations
+            .get_or_create(&crate::metrics::KindLabel {
+                kind: format!("{kind}.{}", if ok { "ok" } else { "failed" }),
+            })
+            .inc();
+        st.events.emit(
+            "operation.finished",
+            &h.get().id,
+            serde_json::json!({ "kind": kind, "ok": ok }),
+        );
+    });
+    let location = format!("/v1/operations/{}", first.id);
+    (
+        StatusCode::ACCEPTED,
+        [(axum::http::header::LOCATION, location)],
+        Json(first),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct SnapshotSpec {
+    /// The directory to write (absolute; must not hold a snapshot).
+    pub dir: String,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/snapshot", tag = "moments",
+    request_body = SnapshotSpec, params(("name" = String, Path)),
+    responses((status = 202, body = Operation, description = "result: MomentReport")))]
+pub async fn snapshot_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<SnapshotSpec>,
+) -> ApiResult<Response> {
+    host::state::validate_name(&name).map_err(ApiError::from)?;
+    let dir = std::path::PathBuf::from(&spec.dir);
+    if !dir.is_absolute() {
+        return Err(ApiError::invalid(format!(
+            "the snapshot directory must be an absolute path, not {:?}",
+            spec.dir
+        )));
+    }
+    Ok(start_operation(
+        &s,
+        "snapshot",
+        name.clone(),
+        "vm.snapshotted",
+        move |h, _| host::fork::snapshot(h, &name, &dir),
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/sleep", tag = "tree",
+    params(("name" = String, Path)),
+    responses((status = 202, body = Operation, description = "result: SleepReport")))]
+pub async fn sleep_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
+    host::state::validate_name(&name).map_err(ApiError::from)?;
+    Ok(start_operation(
+        &s,
+        "sleep",
+        name.clone(),
+        "vm.slept",
+        move |h, p| host::tree::sleep(h, &name, p),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/disks", tag = "vms",
+    params(("name" = String, Path)),
+    responses((status = 200, description = "Each disk's layers, top first")))]
+pub async fn disk_layers(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    let disks = blocking(move || host::vm::disk_layers(&st.host, &name)).await?;
+    let v: Vec<Vec<serde_json::Value>> = disks
+        .iter()
+        .map(|chain| {
+            chain
+                .iter()
+                .map(|l| {
+                    serde_json::json!({
+                        "path": l.path,
+                        "format": format!("{:?}", l.format).to_lowercase(),
+                        "virtual_size": l.virtual_size,
+                        "allocated_bytes": l.allocated_bytes,
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    Ok(Json(serde_json::json!(v)))
+}
+
+/// A contract as TOML text.
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct ContractBody {
+    pub toml: String,
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/contract", tag = "contract",
+    params(("name" = String, Path)), responses((status = 200, body = ContractBody)))]
+pub async fn get_contract(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<ContractBody>> {
+    let st = s.clone();
+    let toml = blocking(move || host::contract::show(&st.host, &name)).await?;
+    Ok(Json(ContractBody { toml }))
+}
+
+#[utoipa::path(put, path = "/v1/vms/{name}/contract", tag = "contract",
+    request_body = ContractBody, params(("name" = String, Path)),
+    responses((status = 200, body = ContractBody), (status = 400, body = ErrorBody)))]
+pub async fn set_contract(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<ContractBody>,
+) -> ApiResult<Json<ContractBody>> {
+    let st = s.clone();
+    let toml = blocking(move || host::contract::set(&st.host, &name, &body.toml)).await?;
+    Ok(Json(ContractBody { toml }))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/secrets", tag = "contract",
+    params(("name" = String, Path)),
+    responses((status = 200, body = Vec<host::contract::SecretInfo>)))]
+pub async fn list_secrets(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<Vec<host::contract::SecretInfo>>> {
+    let st = s.clone();
+    Ok(Json(
+        blocking(move || host::contract::secrets(&st.host, &name)).await?,
+    ))
+}
+
+/// A secret to write into a vm.
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct SecretBody {
+    #[serde(flatten)]
+    pub spec: host::contract::SecretSpec,
+    /// The value, base64.
+    pub value_b64: String,
+}
+
+#[utoipa::path(put, path = "/v1/vms/{name}/secrets/{secret}", tag = "contract",
+    request_body = SecretBody, params(("name" = String, Path), ("secret" = String, Path)),
+    responses((status = 200, body = host::contract::SecretInfo), (status = 400, body = ErrorBody)))]
+pub async fn add_secret(
+    State(s): State<Shared>,
+    Path((name, secret)): Path<(String, String)>,
+    JsonBody(body): JsonBody<SecretBody>,
+) -> ApiResult<Json<host::contract::SecretInfo>> {
+    use base64::Engine;
+    let value = base64::engine::general_purpose::STANDARD
+        .decode(body.value_b64.as_bytes())
+        .map_err(|e| ApiError::invalid(format!("value_b64 is not base64: {e}")))?;
+    let st = s.clone();
+    Ok(Json(
+        blocking(move || host::contract::add_secret(&st.host, &name, &secret, &body.spec, &value))
+            .await?,
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/effects", tag = "effects",
+    params(("name" = String, Path)),
+    responses((status = 200, body = host::gateway::LineageEffects), (status = 404, body = ErrorBody)))]
+pub async fn vm_effects(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<host::gateway::LineageEffects>> {
+    let st = s.clone();
+    Ok(Json(
+        blocking(move || host::gateway::lineage_effects(&st.host, &name)).await?,
+    ))
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct ResolveSpec {
+    pub key: String,
+    /// Send it again on the next request (else: treat it as failed).
+    pub resend: bool,
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct Resolved {
+    pub effect: i64,
+    pub resend: bool,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/effects/resolve", tag = "effects",
+    request_body = ResolveSpec, params(("name" = String, Path)),
+    responses((status = 200, body = Resolved), (status = 404, body = ErrorBody)))]
+pub async fn resolve_effect(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<ResolveSpec>,
+) -> ApiResult<Json<Resolved>> {
+    let st = s.clone();
+    let resend = spec.resend;
+    let effect =
+        blocking(move || host::gateway::resolve(&st.host, &name, &spec.key, spec.resend)).await?;
+    Ok(Json(Resolved { effect, resend }))
+}
+
+// --- the tree ---
+
+#[utoipa::path(get, path = "/v1/branches", tag = "tree",
+    responses((status = 200, description = "Every branch of the store (running, sleeping, gone)")))]
+pub async fn list_branches(State(s): State<Shared>) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    let t = blocking(move || host::tree::store_tree(&st.host)).await?;
+    Ok(Json(json(&t.branches)?))
+}
+
+#[utoipa::path(delete, path = "/v1/branches/{name}", tag = "tree",
+    params(("name" = String, Path)),
+    responses((status = 200, body = host::vm::Removed), (status = 404, body = ErrorBody)))]
+pub async fn remove_branch(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<host::vm::Removed>> {
+    remove_vm(State(s), Path(name), Query(ForceQuery { force: false })).await
+}
+
+#[utoipa::path(post, path = "/v1/branches/{name}/wake", tag = "tree",
+    request_body = host::tree::WakeSpec, params(("name" = String, Path)),
+    responses((status = 202, body = Operation, description = "result: RunReport")))]
+pub async fn wake_branch(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<host::tree::WakeSpec>,
+) -> ApiResult<Response> {
+    host::state::validate_name(&name).map_err(ApiError::from)?;
+    s.metrics
+        .wakes
+        .get_or_create(&crate::metrics::KindLabel {
+            kind: "branch".into(),
+        })
+        .inc();
+    Ok(start_operation(
+        &s,
+        "wake",
+        name.clone(),
+        "branch.woken",
+        move |h, p| host::tree::wake(h, &name, &spec, p),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/snapshots", tag = "tree",
+    responses((status = 200, description = "The store's committed snapshots with own and shared bytes")))]
+pub async fn list_snapshots(State(s): State<Shared>) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    let t = blocking(move || host::tree::store_tree(&st.host)).await?;
+    Ok(Json(json(&t.snapshots)?))
+}
+
+#[utoipa::path(get, path = "/v1/tree", tag = "tree",
+    responses((status = 200, body = host::tree::Lineage)))]
+pub async fn lineage(State(s): State<Shared>) -> ApiResult<Json<host::tree::Lineage>> {
+    let st = s.clone();
+    Ok(Json(blocking(move || host::tree::lineage(&st.host)).await?))
+}
+
+#[utoipa::path(get, path = "/v1/tree/store", tag = "tree",
+    responses((status = 200, description = "The store's tree: snapshots, branches, totals")))]
+pub async fn store_tree(State(s): State<Shared>) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    let t = blocking(move || host::tree::store_tree(&st.host)).await?;
+    Ok(Json(json(&t)?))
+}
+
+#[utoipa::path(post, path = "/v1/gc", tag = "tree",
+    responses((status = 202, body = Operation, description = "result: GcReport")))]
+pub async fn gc(State(s): State<Shared>) -> Response {
+    start_operation(&s, "gc", "store".into(), "gc.done", |h, p| {
+        host::tree::gc(h, p)
+    })
+}
+
+#[utoipa::path(post, path = "/v1/store/verify", tag = "tree",
+    responses((status = 202, body = Operation, description = "result: the store's VerifyReport")))]
+pub async fn verify(State(s): State<Shared>) -> Response {
+    start_operation(&s, "verify", "store".into(), "verify.done", |h, p| {
+        host::tree::verify(h, p)
+    })
+}
+
+// --- images ---
+
+#[utoipa::path(get, path = "/v1/images", tag = "images",
+    responses((status = 200, description = "Built images")))]
+pub async fn list_images(State(s): State<Shared>) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    let v = blocking(move || Ok(crate::images::list(&st.host.home))).await?;
+    Ok(Json(v))
+}
+
+#[utoipa::path(post, path = "/v1/images", tag = "images",
+    request_body = crate::images::BuildSpec,
+    responses((status = 202, body = Operation, description = "result: the image manifest")))]
+pub async fn build_image(
+    State(s): State<Shared>,
+    JsonBody(spec): JsonBody<crate::images::BuildSpec>,
+) -> Response {
+    let target = spec.kind.clone();
+    start_operation(&s, "image_build", target, "image.built", move |h, p| {
+        crate::images::build(&h.home, &spec, p)
+    })
+}
+
+// --- the effects gateway ---
+
+/// The gateway's status.
+#[derive(Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GatewayStatus {
+    pub running: bool,
+    #[schema(value_type = Option<Object>)]
+    pub status: Option<effects::control::Status>,
+}
+
+#[utoipa::path(get, path = "/v1/gateway", tag = "effects",
+    responses((status = 200, body = GatewayStatus)))]
+pub async fn gateway_status(State(s): State<Shared>) -> ApiResult<Json<GatewayStatus>> {
+    let st = s.clone();
+    let status = blocking(move || Ok(host::gateway::status(&st.host))).await?;
+    Ok(Json(GatewayStatus {
+        running: status.is_some(),
+        status,
+    }))
+}
+
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct GatewayControl {
+    /// `start` or `stop`.
+    pub action: String,
+}
+
+#[utoipa::path(post, path = "/v1/gateway", tag = "effects", request_body = GatewayControl,
+    responses((status = 200, body = GatewayStatus)))]
+pub async fn gateway_control(
+    State(s): State<Shared>,
+    JsonBody(c): JsonBody<GatewayControl>,
+) -> ApiResult<Json<GatewayStatus>> {
+    let st = s.clone();
+    let status = match c.action.as_str() {
+        "start" => Some(blocking(move || host::gateway::start(&st.host)).await?),
+        "stop" => {
+            blocking(move || host::gateway::stop(&st.host)).await?;
+            None
+        }
+        other => {
+            return Err(ApiError::invalid(format!(
+                "action {other:?}: say start or stop"
+            )))
+        }
+    };
+    Ok(Json(GatewayStatus {
+        running: status.is_some(),
+        status,
+    }))
+}
+
+// --- operations ---
+
+#[utoipa::path(get, path = "/v1/operations", tag = "operations",
+    responses((status = 200, body = Vec<Operation>)))]
+pub async fn list_operations(State(s): State<Shared>) -> Json<Vec<Operation>> {
+    Json(s.ops.all())
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+pub struct WaitQuery {
+    /// Wait up to this many seconds for it to finish.
+    #[serde(default)]
+    pub wait: Option<u64>,
+}
+
+#[utoipa::path(get, path = "/v1/operations/{id}", tag = "operations",
+    params(("id" = String, Path), WaitQuery),
+    responses((status = 200, body = Operation), (status = 404, body = ErrorBody)))]
+pub async fn get_operation(
+    State(s): State<Shared>,
+    Path(id): Path<String>,
+    Query(q): Query<WaitQuery>,
+) -> ApiResult<Json<Operation>> {
+    let op = s
+        .ops
+        .get(&id)
+        .ok_or_else(|| ApiError::not_found(format!("no operation {id:?} (see /v1/operations)")))?;
+    if let Some(secs) = q.wait {
+        let mut rx = op.subscribe();
+        let deadline = std::time::Duration::from_secs(secs.min(600));
+        let _ = tokio::time::timeout(deadline, async {
+            while rx.borrow().state == crate::ops::OpState::Running {
+                if rx.changed().await.is_err() {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+    Ok(Json(op.get()))
+}

@@ -1,0 +1,275 @@
+//! `tined`: one per host (per `$TINE_HOME`). Started by the CLI on first
+//! use, or by hand in the foreground (`tined`). See docs/design/tined.md.
+//!
+//! Start: take the home's lock (one tined per home), become the subreaper
+//! of every VMM, reconcile (records follow the processes; unfinished
+//! operations are rolled back or finished), then serve. Killed, it leaves
+//! its VMMs running; the next tined adopts them.
+
+use std::io::IsTerminal;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+/// tine's control plane for one host.
+#[derive(Parser)]
+#[command(name = "tined", version, about)]
+struct Cli {
+    /// tine's home (default `$TINE_HOME`, else ~/.cache/tine).
+    #[arg(long, env = "TINE_HOME")]
+    home: Option<PathBuf>,
+    /// Also listen on this TCP address (e.g. 127.0.0.1:7300); every
+    /// request there needs `Authorization: Bearer TOKEN`.
+    #[arg(long)]
+    tcp: Option<String>,
+    /// The bearer token for --tcp, read from this file (or TINED_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Log JSON lines (tracing) instead of text.
+    #[arg(long)]
+    log_json: bool,
+    /// Exit after this many seconds with no vm running and no request
+    /// (0: never). The CLI starts tined with 600.
+    #[arg(long, default_value_t = 0)]
+    idle_exit: u64,
+    #[command(subcommand)]
+    command: Option<Sub>,
+}
+
+#[derive(Subcommand)]
+enum Sub {
+    /// Build an image in this process (tined runs this as a child for
+    /// `POST /v1/images`); prints its manifest as JSON.
+    #[command(hide = true)]
+    BuildImage {
+        kind: String,
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print the OpenAPI document and exit.
+    Openapi,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let sub = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    if cli.log_json {
+        sub.json().init();
+    } else {
+        sub.init();
+    }
+    let res = match cli.command {
+        Some(Sub::BuildImage {
+            kind,
+            agent,
+            kernel,
+            force,
+        }) => build_image(&kind, agent, kernel, force),
+        Some(Sub::Openapi) => {
+            print!("{}", tined::openapi::document());
+            Ok(())
+        }
+        None => daemon(cli.home, cli.tcp, cli.token_file, cli.idle_exit),
+    };
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tined: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn build_image(
+    kind: &str,
+    agent: Option<PathBuf>,
+    kernel: Option<PathBuf>,
+    force: bool,
+) -> anyhow::Result<()> {
+    let home = image::default_home()?;
+    let mut opts = image::BuildOptions::new(home);
+    opts.kernel = kernel;
+    opts.force = force;
+    opts.agent = agent;
+    let kind = match kind {
+        "minimal" => image::ImageKind::Minimal,
+        "debian" => image::ImageKind::Debian,
+        k => anyhow::bail!("image kind {k:?}: say minimal or debian"),
+    };
+    let img = image::build_kind(kind, &opts)?;
+    println!("{}", serde_json::to_string(&img)?);
+    Ok(())
+}
+
+/// Identifies this build: the executable's path, size and time, so the
+/// CLI can tell a tined of an older build and restart it.
+fn build_id() -> String {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let meta = std::fs::metadata(&exe).ok();
+    let mtime = meta
+        .as_ref()
+        .and_then(|m| m.modified().ok())
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{}:{}:{mtime}",
+        exe.display(),
+        meta.map(|m| m.len()).unwrap_or(0)
+    )
+}
+
+fn daemon(
+    home: Option<PathBuf>,
+    tcp: Option<String>,
+    token_file: Option<PathBuf>,
+    idle_exit: u64,
+) -> anyhow::Result<()> {
+    let home = match home {
+        Some(h) => h,
+        None => image::default_home()?,
+    };
+    std::fs::create_dir_all(&home).with_context(|| format!("cannot create {}", home.display()))?;
+    let home = std::fs::canonicalize(&home)?;
+    // One tined per home, for as long as this process lives.
+    let lock_path = home.join("tined.lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("cannot open {}", lock_path.display()))?;
+    // SAFETY: flock(2) on a file this function owns for the process's life.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let pid = std::fs::read_to_string(home.join("tined.pid")).unwrap_or_default();
+        anyhow::bail!(
+            "a tined already serves {} (pid {}); stop it with `tine daemon stop`",
+            home.display(),
+            pid.trim()
+        );
+    }
+    host::state::write_atomic(
+        &home.join("tined.pid"),
+        std::process::id().to_string().as_bytes(),
+    )?;
+    let token = match (&tcp, token_file) {
+        (None, _) => None,
+        (Some(_), Some(f)) => Some(
+            std::fs::read_to_string(&f)
+                .with_context(|| format!("cannot read the token file {}", f.display()))?
+                .trim()
+                .to_string(),
+        ),
+        (Some(_), None) => std::env::var("TINED_TOKEN").ok(),
+    };
+    if tcp.is_some() && token.as_deref().is_none_or(|t| t.len() < 16) {
+        anyhow::bail!(
+            "--tcp needs a token of 16 or more characters (--token-file FILE or TINED_TOKEN)"
+        );
+    }
+    let bins = host::Binaries::find()?;
+    let h = host::Host::new(home.clone(), bins);
+    let state = tined::app::AppState::new(h.clone(), build_id());
+    // The subreaper: every VMM this process starts, and every fork child
+    // orphaned by its VMM, is reaped here.
+    let st = state.clone();
+    host::proc::Reaper::install(move |pid, status| {
+        st.events.emit(
+            "process.exited",
+            &pid.to_string(),
+            serde_json::json!({ "status": status.to_string() }),
+        );
+    })?;
+    let report = host::reconcile::reconcile(&h)?;
+    tracing::info!(
+        home = %home.display(),
+        running = report.running,
+        repointed = ?report.repointed,
+        intents = ?report.intents,
+        strays = report.strays_ended,
+        "reconciled"
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let sock = home.join("tined.sock");
+        let unix = tined::serve::bind_unix(&sock)
+            .with_context(|| format!("cannot listen on {}", sock.display()))?;
+        let app = tined::app::app(state.clone());
+        tokio::spawn(tined::serve::unix(unix, app.clone()));
+        if let (Some(addr), Some(token)) = (tcp, token) {
+            let l = tokio::net::TcpListener::bind(&addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr}"))?;
+            tracing::info!("listening on tcp {addr} (bearer token required)");
+            tokio::spawn(tined::serve::tcp(l, app, Arc::new(token)));
+        }
+        tracing::info!("listening on {}", sock.display());
+        let watch = watch_home(state.clone(), sock.clone(), idle_exit);
+        tokio::select! {
+            _ = state.shutdown.notified() => tracing::info!("shutdown asked; the vms keep running"),
+            why = watch => tracing::info!("exiting: {why}"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; the vms keep running"),
+        }
+        let _ = std::fs::remove_file(&sock);
+        anyhow::Ok(())
+    })?;
+    drop(lock);
+    // Blocking operations still running are abandoned with the process;
+    // their intents are reconciled by the next tined.
+    std::process::exit(0);
+}
+
+/// Resolves when tined should exit on its own: its socket or home was
+/// removed (a test's temporary home), or it was idle for `idle_exit`
+/// seconds with no vm running and nothing in flight.
+async fn watch_home(state: tined::app::Shared, sock: PathBuf, idle_exit: u64) -> String {
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        if !sock.exists() {
+            return format!("{} was removed", sock.display());
+        }
+        if idle_exit == 0 {
+            continue;
+        }
+        let idle_ms = host::state::now_ms().saturating_sub(
+            state
+                .last_request
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        if idle_ms < idle_exit * 1000 || state.ops.running() > 0 {
+            continue;
+        }
+        let st = state.clone();
+        let busy = tokio::task::spawn_blocking(move || {
+            host::state::list(&st.host.home)
+                .map(|vms| {
+                    vms.iter().any(|vm| {
+                        vm.read_record()
+                            .is_ok_and(|r| vm.state(&r) == host::state::VmState::Running)
+                    })
+                })
+                .unwrap_or(true)
+        })
+        .await
+        .unwrap_or(true);
+        if !busy {
+            return format!("idle for {idle_exit}s with no vm running");
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Listening: the Unix socket (mode 0600: only the owner reaches it, no
+//! token) and an optional TCP listener on which every request needs
+//! `Authorization: Bearer TOKEN`. Connections are served by hyper with
+//! upgrades (for `attach`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use tower::ServiceExt;
+
+use crate::error::ApiError;
+
+/// Serves `app` on every connection `listener` accepts until `stop`.
+pub async fn unix(listener: tokio::net::UnixListener, app: Router) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let app = app.clone();
+        tokio::spawn(async move { connection(stream, app, None).await });
+    }
+}
+
+/// Serves `app` over TCP, each request checked against `token`.
+pub async fn tcp(listener: tokio::net::TcpListener, app: Router, token: Arc<String>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let token = token.clone();
+        tokio::spawn(async move { connection(stream, app, Some(token)).await });
+    }
+}
+
+async fn connection<S>(stream: S, app: Router, token: Option<Arc<String>>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        let app = app.clone();
+        let token = token.clone();
+        async move {
+            if let Some(t) = &token {
+                if !authorized(req.headers(), t) {
+                    return Ok::<_, std::convert::Infallible>(axum::response::IntoResponse::into_response(
+                        ApiError::unauthorized(
+                            "this listener needs `Authorization: Bearer TOKEN` (the token tined was started with)",
+                        ),
+                    ));
+                }
+            }
+            app.oneshot(req.map(axum::body::Body::new)).await
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
+    if let Err(e) = conn.await {
+        tracing::debug!("connection ended: {e}");
+    }
+}
+
+/// Constant-time comparison of the bearer token.
+fn authorized(headers: &axum::http::HeaderMap, token: &str) -> bool {
+    let Some(v) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    let (a, b) = (v.as_bytes(), token.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Binds the Unix socket at `path` with mode 0600 (a stale socket of a
+/// dead tined is replaced; the home lock says none runs).
+pub fn bind_unix(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    let _ = std::fs::remove_file(path);
+    // Created with no permissions for anyone but the owner from the
+    // start: there is no window in which another user could connect.
+    // SAFETY: umask(2) only changes this process's file mode mask.
+    let old = unsafe { libc::umask(0o177) };
+    let l = std::os::unix::net::UnixListener::bind(path);
+    // SAFETY: as above, restoring it.
+    unsafe { libc::umask(old) };
+    let l = l?;
+    l.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_authorized_needs_the_exact_token() {
+        let mut h = axum::http::HeaderMap::new();
+        assert!(!authorized(&h, "secret"));
+        h.insert("authorization", "Bearer secret".parse().expect("header"));
+        assert!(authorized(&h, "secret"));
+        assert!(!authorized(&h, "secreT"));
+        assert!(!authorized(&h, "secret2"));
+        h.insert("authorization", "Basic secret".parse().expect("header"));
+        assert!(!authorized(&h, "secret"));
+    }
+}

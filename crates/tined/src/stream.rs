@@ -1,0 +1,76 @@
+//! Server-sent event streams: the lifecycle events of the host, and one
+//! operation's progress until it finishes.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use futures::stream::{self, Stream, StreamExt};
+
+use crate::app::Shared;
+use crate::error::{ApiError, ApiResult};
+
+#[utoipa::path(get, path = "/v1/events", tag = "events",
+    responses((status = 200, description = "text/event-stream of lifecycle Events (event: the type, data: the Event as JSON)",
+        content_type = "text/event-stream", body = crate::events::Event)))]
+pub async fn events(State(s): State<Shared>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let rx = s.events.subscribe();
+    let stream = stream::unfold(rx, |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(e) => {
+                    let data = serde_json::to_string(&e).unwrap_or_default();
+                    return Some((Ok(Event::default().event(e.kind.clone()).data(data)), rx));
+                }
+                // A slow reader missed some: it goes on with the next.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+#[utoipa::path(get, path = "/v1/operations/{id}/events", tag = "operations",
+    params(("id" = String, Path)),
+    responses((status = 200, description = "text/event-stream: `progress` events, then one `done` event with the Operation",
+        content_type = "text/event-stream", body = crate::ops::Operation)))]
+pub async fn operation_events(
+    State(s): State<Shared>,
+    Path(id): Path<String>,
+) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    let op = s
+        .ops
+        .get(&id)
+        .ok_or_else(|| ApiError::not_found(format!("no operation {id:?} (see /v1/operations)")))?;
+    let rx = op.subscribe();
+    // Progress at most every 100 ms; the final state always.
+    let stream = stream::unfold((rx, false), |(mut rx, done)| async move {
+        if done {
+            return None;
+        }
+        let cur = rx.borrow_and_update().clone();
+        if cur.state != crate::ops::OpState::Running {
+            let data = serde_json::to_string(&cur).unwrap_or_default();
+            return Some((Ok(Event::default().event("done").data(data)), (rx, true)));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if rx.changed().await.is_err() {
+            return None;
+        }
+        let cur = rx.borrow().clone();
+        let (event, data) = if cur.state == crate::ops::OpState::Running {
+            (
+                "progress",
+                serde_json::to_string(&cur.progress).unwrap_or_default(),
+            )
+        } else {
+            ("done", serde_json::to_string(&cur).unwrap_or_default())
+        };
+        let finished = event == "done";
+        Some((Ok(Event::default().event(event).data(data)), (rx, finished)))
+    })
+    .boxed();
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
