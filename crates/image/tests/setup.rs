@@ -1,8 +1,8 @@
 //! Every external command tine's code spawns is in scripts/setup's table (so
 //! a fresh machine gets its package), and the table holds on this machine.
 //!
-//! The scan is textual, over every `.rs` file under crates/ (new crates are
-//! picked up by themselves): `Command::new("lit")`, and `Command::new(var)`
+//! The scan is textual, over every `.rs` file under crates/ and bench/ (new
+//! crates are picked up by themselves): `Command::new("lit")`, and `Command::new(var)`
 //! where `var` is a `&str` parameter of the enclosing function (the literal
 //! arguments of that function's calls anywhere in crates/ count) or a local
 //! `let var = ...` / `let Some(var) = ...` whose statement holds command-like
@@ -240,9 +240,10 @@ fn scan(files: &[(String, String)]) -> Found {
 }
 
 fn tree() -> Vec<(String, String)> {
-    let crates = root().join("crates");
     let mut paths = Vec::new();
-    rust_files(&crates, &mut paths);
+    // bench/ has Rust too (bench/pagein); guests/ is built by the toolchain.
+    rust_files(&root().join("crates"), &mut paths);
+    rust_files(&root().join("bench"), &mut paths);
     paths.sort();
     paths
         .into_iter()
