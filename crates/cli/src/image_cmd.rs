@@ -48,10 +48,15 @@ pub struct BuildArgs {
     /// Ask apt again and rebuild even when a cached image matches.
     #[arg(long)]
     force: bool,
-    /// Guest agent (a static binary; see scripts/build-agent), installed as
-    /// /bin/tine-agent (minimal) or /usr/local/bin/tine-agent (debian).
+    /// Guest agent (a static binary), installed as /bin/tine-agent
+    /// (minimal) or /usr/local/bin/tine-agent (debian). Default: the one
+    /// scripts/build-agent builds in this tine's target directory.
     #[arg(long, env = "TINE_AGENT")]
     agent: Option<PathBuf>,
+    /// Build an image without the guest agent (overrides --agent and
+    /// TINE_AGENT): its vms can only run with `tine run --no-agent`.
+    #[arg(long)]
+    no_agent: bool,
     /// Print the image manifest as JSON.
     #[arg(long)]
     json: bool,
@@ -68,30 +73,71 @@ fn build(args: BuildArgs) -> anyhow::Result<ExitCode> {
     let mut opts = image::BuildOptions::new(home);
     opts.kernel = args.kernel;
     opts.force = args.force;
-    opts.agent = args.agent;
+    opts.agent = match (args.no_agent, args.agent) {
+        (true, _) => image::AgentChoice::None,
+        (false, Some(path)) => image::AgentChoice::Path(path),
+        (false, None) => image::AgentChoice::Default,
+    };
     let started = std::time::Instant::now();
-    let img = image::build_kind(args.kind.into(), &opts)?;
+    // What the build is doing, on stderr (stdout keeps the result).
+    let mut progress = |step: image::Step| {
+        eprintln!(
+            "tine image: [{:5.1}s] {step}",
+            started.elapsed().as_secs_f64()
+        );
+    };
+    let img = image::build_kind_with(args.kind.into(), &opts, &mut progress)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&img)?);
     } else {
         println!(
-            "image {} ({}) in {:.1}s\n  kernel    {}\n  initramfs {}\n  cmdline   {}",
+            "image {} ({}) in {:.1}s\n  kernel    {} ({})\n  initramfs {} ({})\n  cmdline   {}",
             img.name,
             img.kernel_version,
             started.elapsed().as_secs_f64(),
             img.kernel.display(),
+            file_size(&img.kernel),
             img.initramfs.display(),
+            file_size(&img.initramfs),
             img.cmdline
         );
+        match &img.agent {
+            Some(agent) => println!("  agent     {} ({})", agent.display(), file_size(agent)),
+            None => println!("  agent     none (built with --no-agent)"),
+        }
         if let Some(rootfs) = &img.rootfs {
             println!(
-                "  rootfs    {} ({} MiB, attach as the first virtio-blk disk)",
+                "  rootfs    {} ({}, attach as the first virtio-blk disk)",
                 rootfs.display(),
-                img.rootfs_size.unwrap_or(0) >> 20
+                size(img.rootfs_size.unwrap_or(0))
             );
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A size in one style: the largest binary unit that keeps it at 1 or
+/// more, one decimal below 10 (`512 KiB`, `8.3 MiB`, `1.2 GiB`).
+fn size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v < 10.0 {
+        format!("{v:.1} {}", UNITS[unit])
+    } else {
+        format!("{v:.0} {}", UNITS[unit])
+    }
+}
+
+fn file_size(path: &Path) -> String {
+    std::fs::metadata(path).map_or_else(|_| "missing".into(), |m| size(m.len()))
 }
 
 /// What `--image` resolves to.
@@ -103,6 +149,25 @@ pub struct Resolved {
     /// The image's root disk (debian), to attach as the first virtio-blk
     /// device (/dev/vda, which its cmdline mounts as root).
     pub rootfs: Option<PathBuf>,
+    /// The Linux image behind it (None for micro guests, which never
+    /// have an agent); see [`Resolved::require_agent`].
+    pub image: Option<image::Image>,
+}
+
+impl Resolved {
+    /// An error saying what to do when this is a Linux image without a
+    /// guest agent: `tine run` calls it (unless `--no-agent`) before it
+    /// creates anything, instead of waiting for an agent that is not there.
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "tine run is to call it (issue 13 §3)")
+    )]
+    pub fn require_agent(&self) -> anyhow::Result<()> {
+        match &self.image {
+            Some(img) => Ok(img.require_agent()?),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Resolves an image name (`minimal`, `debian`, `micro-counter`, `micro-memtouch`) or
@@ -122,6 +187,7 @@ pub fn resolve(name: &str) -> anyhow::Result<Resolved> {
             initrd: None,
             cmdline: String::new(),
             rootfs: None,
+            image: None,
         });
     }
     let dir = Path::new(name);
@@ -131,10 +197,11 @@ pub fn resolve(name: &str) -> anyhow::Result<Resolved> {
         image::open(&home, name)?
     };
     Ok(Resolved {
-        kernel: img.kernel,
-        initrd: Some(img.initramfs),
-        cmdline: img.cmdline,
-        rootfs: img.rootfs,
+        kernel: img.kernel.clone(),
+        initrd: Some(img.initramfs.clone()),
+        cmdline: img.cmdline.clone(),
+        rootfs: img.rootfs.clone(),
+        image: Some(img),
     })
 }
 
@@ -151,4 +218,43 @@ fn materialize(home: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<PathBuf>
         std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{resolve, size};
+
+    /// `tine run` refuses a Linux image without an agent, saying what to
+    /// do; micro guests never have one and pass.
+    #[test]
+    fn test_require_agent() {
+        let dir = std::env::temp_dir().join(format!("tine-image-cmd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let manifest = r#"{"name": "debian", "kernel": "vmlinuz", "kernel_kind": "bzimage",
+            "initramfs": "initramfs.cpio", "cmdline": "", "kernel_version": "6.1",
+            "hash": "0123456789abcdef", "modules": [], "kernel_source": "x.deb", "agent": null}"#;
+        std::fs::write(dir.join("manifest.json"), manifest).expect("write");
+        let r = resolve(&dir.to_string_lossy()).expect("resolve");
+        let err = r.require_agent().expect_err("no agent").to_string();
+        assert!(
+            err.contains("has no guest agent") && err.contains("--no-agent"),
+            "{err}"
+        );
+        let with = manifest.replace("null", "\"tine-agent\"");
+        std::fs::write(dir.join("manifest.json"), with).expect("write");
+        resolve(&dir.to_string_lossy())
+            .expect("resolve")
+            .require_agent()
+            .expect("has an agent");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn test_sizes_in_one_style() {
+        assert_eq!(size(512), "512 B");
+        assert_eq!(size(262_170 * 1024), "256 MiB");
+        assert_eq!(size(8_700_000), "8.3 MiB");
+        assert_eq!(size(3 << 30), "3.0 GiB");
+        assert_eq!(size(1024), "1.0 KiB");
+    }
 }

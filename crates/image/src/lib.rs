@@ -6,6 +6,12 @@
 //! when one with that hash exists. The .deb files are cached under
 //! `<home>/cache/debs/`; apt is consulted only when that cache has no kernel
 //! (or busybox) package, or on `force`.
+//!
+//! Every image carries tine's guest agent unless built with
+//! [`AgentChoice::None`] (recorded in the manifest: [`Image::has_agent`]); by
+//! default the build takes the one scripts/build-agent leaves next to the
+//! running executable's target directory ([`default_agent_paths`]). A build
+//! reports what it is doing through [`Progress`]; it never prints.
 
 mod deb;
 pub mod debian;
@@ -82,6 +88,27 @@ pub enum ImageError {
     /// The agent given is not a static executable.
     #[error("agent {0} is not a static executable; build it with scripts/build-agent")]
     AgentNotStatic(PathBuf),
+    /// The agent given cannot be read.
+    #[error("Cannot read the agent {path} ({source}): build it with scripts/build-agent, or pass --agent PATH")]
+    AgentUnreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// No agent was given and none is where scripts/build-agent puts it.
+    #[error(
+        "No guest agent found (looked for {}): run scripts/build-agent, or pass --agent PATH \
+         (or set TINE_AGENT), or --no-agent to build an image whose vms have no agent",
+        display_paths(searched)
+    )]
+    AgentNotFound { searched: Vec<PathBuf> },
+    /// The image has no agent, so nothing can talk to its vms.
+    #[error(
+        "Image {name} ({dir}) has no guest agent, so its vms could never answer: rebuild it \
+         with `tine image build {name}` (the agent is included by default), or run the vm \
+         with --no-agent"
+    )]
+    NoAgent { name: String, dir: PathBuf },
     /// An image manifest cannot be read.
     #[error("Bad image manifest {path}")]
     Manifest {
@@ -94,6 +121,11 @@ pub enum ImageError {
     UnknownImage { name: String, dir: PathBuf },
 }
 
+fn display_paths(paths: &[PathBuf]) -> String {
+    let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    shown.join(", ")
+}
+
 impl ImageError {
     fn io(path: &Path, source: std::io::Error) -> Self {
         ImageError::Io {
@@ -101,6 +133,128 @@ impl ImageError {
             source,
         }
     }
+}
+
+/// Which guest agent an image build puts into the image.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum AgentChoice {
+    /// tine's own, where scripts/build-agent leaves it
+    /// ([`default_agent_paths`]); an error if it is not there.
+    #[default]
+    Default,
+    /// This binary (a static executable).
+    Path(PathBuf),
+    /// None: the image's vms cannot be reached through an agent, and
+    /// `tine run` refuses them unless told `--no-agent`.
+    None,
+}
+
+/// Where [`AgentChoice::Default`] looks, for the running executable.
+pub fn default_agent_paths() -> Vec<PathBuf> {
+    std::env::current_exe()
+        .map(|exe| agent_paths_near(&exe))
+        .unwrap_or_default()
+}
+
+/// Where the agent is for a tine executable at `exe`: next to it (an
+/// installed tine), or where scripts/build-agent builds it in the same
+/// target directory (`<target>/{debug,release}/tine` and
+/// `<target>/agent/x86_64-unknown-linux-gnu/release/tine-agent`).
+pub fn agent_paths_near(exe: &Path) -> Vec<PathBuf> {
+    let Some(dir) = exe.parent() else {
+        return Vec::new();
+    };
+    let mut paths = vec![dir.join("tine-agent")];
+    if let Some(target) = dir.parent() {
+        paths.push(target.join("agent/x86_64-unknown-linux-gnu/release/tine-agent"));
+    }
+    paths
+}
+
+/// The agent binary `choice` means (None for [`AgentChoice::None`]).
+pub fn resolve_agent(choice: &AgentChoice) -> Result<Option<PathBuf>, ImageError> {
+    match choice {
+        AgentChoice::None => Ok(None),
+        AgentChoice::Path(p) => Ok(Some(p.clone())),
+        AgentChoice::Default => {
+            let searched = default_agent_paths();
+            match searched.iter().find(|p| p.is_file()) {
+                Some(p) => Ok(Some(p.clone())),
+                None => Err(ImageError::AgentNotFound { searched }),
+            }
+        }
+    }
+}
+
+/// A step of an image build, for the caller to show (see [`Progress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Step {
+    /// The agent that goes into the image (None: built without one).
+    Agent { path: Option<PathBuf> },
+    /// Asking apt which kernel package is the newest.
+    ResolvingKernel,
+    /// Downloading a package with apt-get (seconds).
+    Downloading { package: String },
+    /// An image with the same inputs is already built.
+    UpToDate { name: String, dir: PathBuf },
+    /// Building an image (its inputs hash to `hash`).
+    Building { name: String, hash: String },
+    /// Unpacking the kernel package.
+    Unpacking { deb: PathBuf },
+    /// Writing the initramfs.
+    Initramfs { modules: usize },
+    /// Running debootstrap (minutes; its own lines go to stderr).
+    Debootstrap { suite: String, mirror: String },
+    /// Installing tine's init, the agent and busybox into the root tree.
+    Customizing,
+    /// Making the ext4 root disk.
+    RootDisk,
+    /// Done.
+    Built { name: String, dir: PathBuf },
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::Agent { path: Some(p) } => write!(f, "agent {}", p.display()),
+            Step::Agent { path: None } => write!(f, "no agent (--no-agent)"),
+            Step::ResolvingKernel => write!(f, "asking apt for the newest cloud kernel"),
+            Step::Downloading { package } => write!(f, "downloading {package}"),
+            Step::UpToDate { name, dir } => write!(f, "{name} is up to date: {}", dir.display()),
+            Step::Building { name, hash } => write!(f, "building {name} {hash}"),
+            Step::Unpacking { deb } => write!(
+                f,
+                "unpacking {}",
+                deb.file_name().unwrap_or(deb.as_os_str()).to_string_lossy()
+            ),
+            Step::Initramfs { modules } => write!(f, "writing the initramfs ({modules} modules)"),
+            Step::Debootstrap { suite, mirror } => {
+                write!(f, "debootstrap {suite} from {mirror} (minutes)")
+            }
+            Step::Customizing => write!(f, "installing tine's init and agent into the root"),
+            Step::RootDisk => write!(f, "making the ext4 root disk"),
+            Step::Built { name, dir } => write!(f, "{name} built: {}", dir.display()),
+        }
+    }
+}
+
+/// Receives an image build's steps as they start.
+pub trait Progress {
+    fn step(&mut self, step: Step);
+}
+
+impl<F: FnMut(Step)> Progress for F {
+    fn step(&mut self, step: Step) {
+        self(step)
+    }
+}
+
+/// Ignores every step.
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn step(&mut self, _: Step) {}
 }
 
 /// What to build.
@@ -114,8 +268,8 @@ pub struct BuildOptions {
     /// Ask apt again for the newest packages and rebuild even if cached.
     pub force: bool,
     /// The guest agent (a static binary, see scripts/build-agent), installed
-    /// as /bin/tine-agent.
-    pub agent: Option<PathBuf>,
+    /// as /bin/tine-agent (minimal) or /usr/local/bin/tine-agent (debian).
+    pub agent: AgentChoice,
 }
 
 impl BuildOptions {
@@ -125,7 +279,7 @@ impl BuildOptions {
             home,
             kernel: None,
             force: false,
-            agent: None,
+            agent: AgentChoice::Default,
         }
     }
 }
@@ -164,10 +318,13 @@ pub struct Image {
     pub modules: Vec<String>,
     /// Where the kernel came from (the .deb file name or the given path).
     pub kernel_source: String,
-    /// A copy of the guest agent in the initramfs (the nested test host runs
-    /// the same binary), when the image has one.
+    /// A copy of the guest agent in the image (the nested test host runs
+    /// the same binary), when the image has one; None: built without one.
     #[serde(default)]
     pub agent: Option<PathBuf>,
+    /// blake3 of the agent, when the image has one (older manifests: absent).
+    #[serde(default)]
+    pub agent_hash: Option<String>,
     /// The root filesystem (raw ext4) to attach as the first virtio-blk
     /// disk (/dev/vda), for images that boot from disk ("debian").
     #[serde(default)]
@@ -199,9 +356,18 @@ impl ImageKind {
 
 /// Builds the image of `kind` (see [`build`] and [`build_debian`]).
 pub fn build_kind(kind: ImageKind, opts: &BuildOptions) -> Result<Image, ImageError> {
+    build_kind_with(kind, opts, &mut Quiet)
+}
+
+/// [`build_kind`], reporting its steps to `progress`.
+pub fn build_kind_with(
+    kind: ImageKind,
+    opts: &BuildOptions,
+    progress: &mut dyn Progress,
+) -> Result<Image, ImageError> {
     match kind {
-        ImageKind::Minimal => build(opts),
-        ImageKind::Debian => build_debian(opts),
+        ImageKind::Minimal => build_with(opts, progress),
+        ImageKind::Debian => build_debian_with(opts, progress),
     }
 }
 
@@ -218,6 +384,34 @@ impl Image {
         image.agent = image.agent.map(|a| dir.join(a));
         image.rootfs = image.rootfs.map(|r| dir.join(r));
         Ok(image)
+    }
+
+    /// Whether the image carries a guest agent (its vms can be reached).
+    pub fn has_agent(&self) -> bool {
+        self.agent.is_some()
+    }
+
+    /// [`ImageError::NoAgent`] unless the image has an agent: what `tine
+    /// run` checks before it creates anything, unless told `--no-agent`.
+    pub fn require_agent(&self) -> Result<(), ImageError> {
+        if self.has_agent() {
+            return Ok(());
+        }
+        Err(ImageError::NoAgent {
+            name: self.name.clone(),
+            dir: self.dir.clone(),
+        })
+    }
+}
+
+/// Marks a cached image as the most recent of its name (what [`open`]
+/// picks): asking for it again counts as building it.
+fn touch_manifest(dir: &Path) {
+    if let Ok(f) = std::fs::File::options()
+        .write(true)
+        .open(dir.join(MANIFEST))
+    {
+        let _ = f.set_modified(std::time::SystemTime::now());
     }
 }
 
@@ -290,11 +484,16 @@ fn hash_file(path: &Path) -> Result<String, ImageError> {
 
 /// Builds the "minimal" image, or returns the cached one with the same inputs.
 pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
+    build_with(opts, &mut Quiet)
+}
+
+/// [`build`], reporting its steps to `progress`.
+pub fn build_with(opts: &BuildOptions, progress: &mut dyn Progress) -> Result<Image, ImageError> {
+    let agent = read_agent(opts, progress)?;
     let debs = opts.home.join("cache").join("debs");
-    let kernel = kernel_source(opts, &debs)?;
-    let busybox = busybox_source(opts, &debs)?;
+    let kernel = kernel_source(opts, &debs, progress)?;
+    let busybox = busybox_source(opts, &debs, progress)?;
     let init = initramfs::init_script();
-    let agent = read_agent(opts)?;
     let module_list = module_list(&kernel);
 
     let inputs = format!(
@@ -303,7 +502,7 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
         hash_file(busybox.path())?,
         blake3::hash(init.as_bytes()).to_hex(),
         module_list.join(","),
-        agent.as_deref().map(|a| blake3::hash(a).to_hex().to_string()).unwrap_or_default(),
+        agent.as_ref().map(|a| a.hash.as_str()).unwrap_or_default(),
     );
     let hash = blake3::hash(inputs.as_bytes()).to_hex()[..16].to_string();
     let images = opts.home.join("images");
@@ -311,11 +510,20 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
     if !opts.force {
         if let Ok(image) = Image::load(&dir) {
             tracing::info!("image {IMAGE_NAME} {hash} is up to date: {}", dir.display());
+            touch_manifest(&dir);
+            progress.step(Step::UpToDate {
+                name: IMAGE_NAME.into(),
+                dir,
+            });
             return Ok(image);
         }
     }
 
     tracing::info!("building image {IMAGE_NAME} {hash}");
+    progress.step(Step::Building {
+        name: IMAGE_NAME.into(),
+        hash: hash.clone(),
+    });
     static BUILDS: AtomicU64 = AtomicU64::new(0);
     let scratch = images.join(format!(
         ".build-{hash}-{}-{}",
@@ -328,15 +536,16 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
         init: &init,
         cmdline: DEFAULT_CMDLINE,
         agent_in_initramfs: true,
+        modules: module_list,
     };
     let result = assemble(
         &scratch,
         &kernel,
         &busybox,
         &parts,
-        module_list,
-        agent.as_deref(),
+        agent.as_ref(),
         &hash,
+        progress,
     )
     .and_then(|image| write_manifest(&scratch.join("out"), &image))
     .and_then(|()| publish(&scratch.join("out"), &dir, opts.force));
@@ -344,20 +553,41 @@ pub fn build(opts: &BuildOptions) -> Result<Image, ImageError> {
     result?;
     let image = Image::load(&dir)?;
     tracing::info!("image {IMAGE_NAME} {hash} built: {}", dir.display());
+    progress.step(Step::Built {
+        name: IMAGE_NAME.into(),
+        dir,
+    });
     Ok(image)
 }
 
-fn read_agent(opts: &BuildOptions) -> Result<Option<Vec<u8>>, ImageError> {
-    match &opts.agent {
-        Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| ImageError::io(path, e))?;
-            if !elf::is_static_executable(&bytes) {
-                return Err(ImageError::AgentNotStatic(path.clone()));
-            }
-            Ok(Some(bytes))
-        }
-        None => Ok(None),
+/// The agent that goes into an image.
+struct Agent {
+    bytes: Vec<u8>,
+    /// blake3, hex.
+    hash: String,
+}
+
+/// The agent `opts` asks for, checked to be a static executable; None
+/// only when asked for none. First thing a build does, so a missing agent
+/// fails before any download.
+fn read_agent(
+    opts: &BuildOptions,
+    progress: &mut dyn Progress,
+) -> Result<Option<Agent>, ImageError> {
+    let path = resolve_agent(&opts.agent)?;
+    progress.step(Step::Agent { path: path.clone() });
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let bytes = std::fs::read(&path).map_err(|source| ImageError::AgentUnreadable {
+        path: path.clone(),
+        source,
+    })?;
+    if !elf::is_static_executable(&bytes) {
+        return Err(ImageError::AgentNotStatic(path));
     }
+    let hash = blake3::hash(&bytes).to_hex().to_string();
+    Ok(Some(Agent { bytes, hash }))
 }
 
 fn module_list(kernel: &Source) -> &'static [&'static str] {
@@ -381,6 +611,14 @@ fn have_tool(tool: &str) -> bool {
 /// inputs. The agent, when given, is installed as /usr/local/bin/tine-agent
 /// and started at boot. Runs debootstrap (as root; takes minutes).
 pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
+    build_debian_with(opts, &mut Quiet)
+}
+
+/// [`build_debian`], reporting its steps to `progress`.
+pub fn build_debian_with(
+    opts: &BuildOptions,
+    progress: &mut dyn Progress,
+) -> Result<Image, ImageError> {
     use debian::{Recipe, DEBIAN_IMAGE_NAME as NAME};
     for (tool, package) in [("debootstrap", "debootstrap"), ("mkfs.ext4", "e2fsprogs")] {
         if !have_tool(tool) {
@@ -390,10 +628,10 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
             });
         }
     }
+    let agent = read_agent(opts, progress)?;
     let debs = opts.home.join("cache").join("debs");
-    let kernel = kernel_source(opts, &debs)?;
-    let busybox = busybox_source(opts, &debs)?;
-    let agent = read_agent(opts)?;
+    let kernel = kernel_source(opts, &debs, progress)?;
+    let busybox = busybox_source(opts, &debs, progress)?;
     let modules = module_list(&kernel);
     let as_root = {
         use std::os::unix::fs::MetadataExt;
@@ -404,10 +642,7 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
     let mut recipe = Recipe::new(&mirror);
     recipe.kernel_hash = hash_file(kernel.path())?;
     recipe.busybox_hash = hash_file(busybox.path())?;
-    recipe.agent_hash = agent
-        .as_deref()
-        .map(|a| blake3::hash(a).to_hex().to_string())
-        .unwrap_or_default();
+    recipe.agent_hash = agent.as_ref().map(|a| a.hash.clone()).unwrap_or_default();
     recipe.modules = modules.iter().map(|m| m.to_string()).collect();
     let hash = debian::cache_key(&recipe);
     let images = opts.home.join("images");
@@ -415,6 +650,11 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
     if !opts.force {
         if let Ok(image) = Image::load(&dir) {
             tracing::info!("image {NAME} {hash} is up to date: {}", dir.display());
+            touch_manifest(&dir);
+            progress.step(Step::UpToDate {
+                name: NAME.into(),
+                dir,
+            });
             return Ok(image);
         }
     }
@@ -427,6 +667,10 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
         });
     }
     tracing::info!("building image {NAME} {hash}");
+    progress.step(Step::Building {
+        name: NAME.into(),
+        hash: hash.clone(),
+    });
     static BUILDS: AtomicU64 = AtomicU64::new(0);
     let scratch = images.join(format!(
         ".build-{NAME}-{hash}-{}-{}",
@@ -443,6 +687,7 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
         init: &init,
         cmdline: &cmdline,
         agent_in_initramfs: false,
+        modules,
     };
     let out = scratch.join("out");
     let result = (|| {
@@ -451,14 +696,23 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
             &kernel,
             &busybox,
             &parts,
-            modules,
-            agent.as_deref(),
+            agent.as_ref(),
             &hash,
+            progress,
         )?;
         let root = scratch.join("root");
+        progress.step(Step::Debootstrap {
+            suite: recipe.suite.clone(),
+            mirror: recipe.mirror.clone(),
+        });
         debian::debootstrap(&recipe, &root, &opts.home.join("cache").join("debootstrap"))?;
+        progress.step(Step::Customizing);
         let busybox_bytes = read_busybox(&busybox, &scratch.join("busybox-rootfs"))?;
-        debian::customize(&root, &busybox_bytes, agent.as_deref())?;
+        debian::customize(
+            &root,
+            &busybox_bytes,
+            agent.as_ref().map(|a| a.bytes.as_slice()),
+        )?;
         if !debian::unmount_under(&root) {
             return Err(ImageError::Command {
                 command: "umount".into(),
@@ -466,6 +720,7 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
                 hint: "unmount it by hand".into(),
             });
         }
+        progress.step(Step::RootDisk);
         let size = debian::make_ext4(&root, &out.join(debian::ROOTFS_FILE))?;
         image.rootfs = Some(debian::ROOTFS_FILE.into());
         image.rootfs_size = Some(size);
@@ -484,6 +739,10 @@ pub fn build_debian(opts: &BuildOptions) -> Result<Image, ImageError> {
     result?;
     let image = Image::load(&dir)?;
     tracing::info!("image {NAME} {hash} built: {}", dir.display());
+    progress.step(Step::Built {
+        name: NAME.into(),
+        dir,
+    });
     Ok(image)
 }
 
@@ -494,6 +753,8 @@ struct Parts<'a> {
     cmdline: &'a str,
     /// Put the agent into the initramfs (as /bin/tine-agent).
     agent_in_initramfs: bool,
+    /// Kernel modules for the initramfs (none for a given kernel).
+    modules: &'static [&'static str],
 }
 
 fn write_manifest(out: &Path, image: &Image) -> Result<(), ImageError> {
@@ -520,7 +781,11 @@ fn publish(out: &Path, dir: &Path, replace: bool) -> Result<(), ImageError> {
     std::fs::rename(out, dir).map_err(|e| ImageError::io(dir, e))
 }
 
-fn kernel_source(opts: &BuildOptions, debs: &Path) -> Result<Source, ImageError> {
+fn kernel_source(
+    opts: &BuildOptions,
+    debs: &Path,
+    progress: &mut dyn Progress,
+) -> Result<Source, ImageError> {
     if let Some(path) = &opts.kernel {
         if !path.is_file() {
             return Err(ImageError::KernelMissing(path.clone()));
@@ -533,11 +798,19 @@ fn kernel_source(opts: &BuildOptions, debs: &Path) -> Result<Source, ImageError>
             return Ok(Source::Deb(deb));
         }
     }
+    progress.step(Step::ResolvingKernel);
     let package = deb::resolve_kernel_package(HINT_APT)?;
+    progress.step(Step::Downloading {
+        package: package.clone(),
+    });
     Ok(Source::Deb(deb::download(debs, &package, HINT_APT)?))
 }
 
-fn busybox_source(opts: &BuildOptions, debs: &Path) -> Result<Source, ImageError> {
+fn busybox_source(
+    opts: &BuildOptions,
+    debs: &Path,
+    progress: &mut dyn Progress,
+) -> Result<Source, ImageError> {
     let installed = Path::new("/bin/busybox");
     if let Ok(bytes) = std::fs::read(installed) {
         if elf::is_static_executable(&bytes) {
@@ -549,6 +822,9 @@ fn busybox_source(opts: &BuildOptions, debs: &Path) -> Result<Source, ImageError
             return Ok(Source::Deb(deb));
         }
     }
+    progress.step(Step::Downloading {
+        package: deb::BUSYBOX_PACKAGE.into(),
+    });
     Ok(Source::Deb(deb::download(
         debs,
         deb::BUSYBOX_PACKAGE,
@@ -595,9 +871,9 @@ fn assemble(
     kernel: &Source,
     busybox: &Source,
     parts: &Parts,
-    module_list: &[&str],
-    agent: Option<&[u8]>,
+    agent: Option<&Agent>,
     hash: &str,
+    progress: &mut dyn Progress,
 ) -> Result<Image, ImageError> {
     let out = scratch.join("out");
     std::fs::create_dir_all(&out).map_err(|e| ImageError::io(&out, e))?;
@@ -608,11 +884,12 @@ fn assemble(
         Source::File(p) => (p.clone(), None, Vec::new()),
         Source::Deb(deb) => {
             tracing::info!("unpacking {}", deb.display());
+            progress.step(Step::Unpacking { deb: deb.clone() });
             let root = scratch.join("kernel");
             deb::extract(deb, &root)?;
             let (vmlinuz, version) = find_vmlinuz(&root.join("boot"), deb)?;
             let mod_dir = root.join("lib/modules").join(&version);
-            let mods = modules::resolve(&mod_dir, module_list)?;
+            let mods = modules::resolve(&mod_dir, parts.modules)?;
             (vmlinuz, Some(version), mods)
         }
     };
@@ -629,12 +906,17 @@ fn assemble(
     std::fs::write(&dest, &kernel_bytes).map_err(|e| ImageError::io(&dest, e))?;
 
     tracing::info!("writing initramfs ({} modules)", mods.len());
+    progress.step(Step::Initramfs {
+        modules: mods.len(),
+    });
     initramfs::write(
         &out.join("initramfs.cpio"),
         &busybox_bytes,
         &mods,
         parts.init,
-        agent.filter(|_| parts.agent_in_initramfs),
+        agent
+            .filter(|_| parts.agent_in_initramfs)
+            .map(|a| a.bytes.as_slice()),
     )?;
 
     let image = Image {
@@ -653,12 +935,13 @@ fn assemble(
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
         agent: agent.map(|_| PathBuf::from("tine-agent")),
+        agent_hash: agent.map(|a| a.hash.clone()),
         rootfs: None,
         rootfs_size: None,
     };
-    if let Some(bytes) = agent {
+    if let Some(agent) = agent {
         let dest = out.join("tine-agent");
-        std::fs::write(&dest, bytes).map_err(|e| ImageError::io(&dest, e))?;
+        std::fs::write(&dest, &agent.bytes).map_err(|e| ImageError::io(&dest, e))?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| ImageError::io(&dest, e))?;

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use image::initramfs::{self, CMDLINE_INIT_SED};
-use image::{BuildOptions, ImageError, KernelKind};
+use image::{AgentChoice, BuildOptions, ImageError, KernelKind};
 
 fn shared_debs() -> PathBuf {
     match std::env::var_os("TINE_TEST_CACHE") {
@@ -55,7 +55,8 @@ fn busybox(bin: &Path, script: &str) -> String {
 #[test]
 fn test_build_minimal_image_cached_and_complete() {
     let home = temp_home("minimal");
-    let opts = BuildOptions::new(home.clone());
+    let mut opts = BuildOptions::new(home.clone());
+    opts.agent = AgentChoice::None; // tests/agent.rs covers the agent
 
     let image = image::build(&opts).expect("build");
     assert_eq!(image.name, "minimal");
@@ -194,6 +195,7 @@ fn test_build_minimal_image_cached_and_complete() {
 fn test_build_missing_kernel_path_is_clear_error() {
     let home = temp_home("nokernel");
     let mut opts = BuildOptions::new(home.clone());
+    opts.agent = AgentChoice::None;
     opts.kernel = Some(PathBuf::from("/nonexistent/vmlinux"));
     let err = image::build(&opts).expect_err("missing kernel");
     assert!(matches!(err, ImageError::KernelMissing(_)));
@@ -211,6 +213,7 @@ fn test_build_non_kernel_file_rejected() {
     let file = home.join("notes.txt");
     std::fs::write(&file, "not a kernel").expect("write");
     let mut opts = BuildOptions::new(home.clone());
+    opts.agent = AgentChoice::None;
     opts.kernel = Some(file.clone());
     let err = image::build(&opts).expect_err("not a kernel");
     assert!(

@@ -292,7 +292,10 @@ fn test_build_debian_for_real() {
     std::os::unix::fs::symlink(&debootstrap_cache, home.join("cache/debootstrap"))
         .expect("symlink");
     let mut opts = image::BuildOptions::new(home.clone());
-    opts.agent = std::env::var_os("TINE_AGENT_BIN").map(PathBuf::from);
+    opts.agent = match std::env::var_os("TINE_AGENT_BIN") {
+        Some(agent) => image::AgentChoice::Path(agent.into()),
+        None => image::AgentChoice::None,
+    };
 
     let started = Instant::now();
     let img = image::build_debian(&opts).expect("build debian");
