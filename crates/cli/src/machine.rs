@@ -29,7 +29,7 @@ use anyhow::{anyhow, bail, Context};
 use protocol::{ExecRequest, Hello};
 use serde::{Deserialize, Serialize};
 
-use crate::state::{now_ms, ProcStat};
+use host::state::{now_ms, ProcStat};
 
 /// The testhost scripts, one source of truth for the QEMU/initramfs recipe.
 const SCRIPTS: [(&str, &str); 3] = [

@@ -1,21 +1,18 @@
-//! `tine`: the command line. Each verb is a thin layer over the library crates.
+//! `tine`: the command line, a client of tined (crates/tined). It parses
+//! arguments, asks tined, and renders the answer (text, or `--json`);
+//! where this host has no hardware virtualization, Linux vms live in the
+//! nested test host and their verbs are forwarded there (routing.rs).
 
-mod agent_client;
-mod contract_cmds;
-mod effects_cmds;
-mod exec_cmds;
-mod fork_cmds;
+mod agent_cmds;
+mod client;
 mod image_cmd;
 mod machine;
-mod net;
+mod render;
 mod routing;
 mod size;
-mod state;
-mod tree_cmds;
-mod vm_cmds;
-mod vmm_cmd;
-mod wake;
+mod verbs;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -31,12 +28,12 @@ struct Cli {
 #[derive(Subcommand)]
 pub enum Command {
     /// Start a vm in the background; returns when its agent answers.
-    Run(vm_cmds::RunArgs),
+    Run(verbs::RunArgs),
     /// Run a command in a vm (stdin, stdout, stderr and exit code pass through).
-    Exec(exec_cmds::ExecArgs),
+    Exec(agent_cmds::ExecArgs),
     /// Copy a file into or out of a vm: `tine cp FILE NAME:/path`, `tine cp NAME:/path FILE` (`-` for stdin/stdout).
     Cp { src: String, dst: String },
-    /// List vms: name, state, pid, memory, uptime.
+    /// List vms, sleeping branches and checkpoints: name, state, pid, memory, uptime, parent.
     Ls {
         /// Machine-readable output.
         #[arg(long)]
@@ -64,15 +61,19 @@ pub enum Command {
     Disk(DiskCommand),
     /// Kill a vm's VMM at once.
     Kill { name: String },
-    /// Remove a stopped vm and its state.
+    /// Remove a vm (and its checkpoints), a sleeping branch, or one
+    /// checkpoint (`NAME@TAG`); what only they held is freed.
     Rm {
         name: String,
         /// Kill it first if it runs.
         #[arg(long)]
         force: bool,
+        #[arg(long)]
+        json: bool,
     },
-    /// Fork a running vm: K children continue from this moment, each with
-    /// its own disk layer, console, vsock socket and MAC; the vm goes on.
+    /// Fork a vm: K children continue from this moment, each with its own
+    /// disk layer, console, vsock socket and MAC; the vm goes on. Of a
+    /// sleeping branch: K new branches wake from its snapshot.
     Fork {
         name: String,
         /// Number of children (named NAME-1, NAME-2, ... unless --names).
@@ -84,7 +85,10 @@ pub enum Command {
         /// A fork contract (TOML) over the vm's own for this fork: how the
         /// children wake (randomness, clock, connections, egress, secrets).
         #[arg(long)]
-        contract: Option<std::path::PathBuf>,
+        contract: Option<PathBuf>,
+        /// Run once per key: a repeat gets the first fork's answer.
+        #[arg(long)]
+        idempotency_key: Option<String>,
         /// Machine-readable output (pids, timings, each child's wake steps).
         #[arg(long)]
         json: bool,
@@ -107,14 +111,18 @@ pub enum Command {
         json: bool,
     },
     /// List a vm's checkpoints.
-    Checkpoints { name: String },
+    Checkpoints {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a running vm to a directory (memory, state, manifest) while it
     /// runs on; `tine run --from DIR` restores it.
     Snapshot {
         name: String,
         /// The directory (created; must not hold a snapshot).
         #[arg(long)]
-        to: std::path::PathBuf,
+        to: PathBuf,
         #[arg(long)]
         json: bool,
     },
@@ -141,14 +149,17 @@ pub enum Command {
         /// instead of writing the whole memory out before it starts.
         #[arg(long)]
         lazy: bool,
+        #[arg(long)]
+        json: bool,
     },
-    /// The snapshot tree: snapshots, branches, own and shared bytes.
+    /// The tree: stored snapshots, sleeping branches, running vms and
+    /// checkpoints, with own and shared bytes.
     Tree {
         #[arg(long)]
         json: bool,
     },
-    /// Remove what nothing in the tree references (chunks, unfinished
-    /// snapshots, materialized copies).
+    /// Reclaim what nothing references: snapshots without a branch, their
+    /// chunks, wake copies and frozen layers no vm uses.
     Gc {
         #[arg(long)]
         json: bool,
@@ -159,12 +170,16 @@ pub enum Command {
     /// A vm's fork contract: how its copies wake (randomness, clock,
     /// connections, egress, secrets, hooks).
     #[command(subcommand)]
-    Contract(contract_cmds::ContractCommand),
+    Contract(agent_cmds::ContractCommand),
     /// Secrets in a vm, and what a fork does to them (keep, revoke, rotate).
     #[command(subcommand)]
-    Secret(contract_cmds::SecretCommand),
-    /// Run one vm in the foreground: this process is its VMM.
-    Vmm(Box<vmm_cmd::VmmArgs>),
+    Secret(agent_cmds::SecretCommand),
+    /// Run one vm in the foreground: `tine-vmm` (this process becomes it).
+    #[command(disable_help_flag = true)]
+    Vmm {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Guest images.
     #[command(subcommand)]
     Image(image_cmd::ImageCommand),
@@ -173,11 +188,16 @@ pub enum Command {
     Machine(machine::MachineCommand),
     /// The effects in a vm's lineage (its own and its ancestors' before each
     /// fork point), which were replayed, which are in doubt.
-    Effects(effects_cmds::EffectsArgs),
+    Effects(verbs::EffectsArgs),
     /// The effects gateway: the host-side HTTP(S) proxy that journals what
     /// guests send, so copies never repeat it.
     #[command(subcommand)]
-    Gateway(effects_cmds::GatewayCommand),
+    Gateway(verbs::GatewayCommand),
+    /// tined, the control plane this CLI talks to.
+    #[command(subcommand)]
+    Daemon(verbs::DaemonCommand),
+    /// Print lifecycle events as they happen (JSON lines).
+    Events,
 }
 
 #[derive(Subcommand)]
@@ -208,21 +228,21 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::Vmm(_)) {
-        // `tine ls | head` should end quietly, as Unix tools do. The VMM
-        // keeps SIGPIPE ignored: a closed console must not kill the vm.
-        // SAFETY: restoring the default disposition of one signal before
-        // any thread exists.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        }
+    if let Command::Vmm { args } = &cli.command {
+        return verbs::exec_vmm(args);
+    }
+    // `tine ls | head` should end quietly, as Unix tools do.
+    // SAFETY: restoring the default disposition of one signal before any
+    // thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let routed = home().map(|h| routing::through_machine(&h, &cli.command, &args));
     let result = match routed {
         Ok(Some(r)) => r,
         Err(e) => Err(e),
-        Ok(None) => dispatch(cli.command),
+        Ok(None) => verbs::dispatch(cli.command),
     };
     match result {
         Ok(code) => code,
@@ -233,96 +253,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs a verb on this host.
-fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
-    match command {
-        Command::Vmm(args) => vmm_cmd::run(*args),
-        Command::Run(args) => home().and_then(|h| vm_cmds::run(&h, args)),
-        Command::Exec(args) => home().and_then(|h| exec_cmds::exec(&h, args)),
-        Command::Cp { src, dst } => home().and_then(|h| exec_cmds::cp(&h, &src, &dst)),
-        Command::Ls { json } => home().and_then(|h| {
-            let mut rows = vm_cmds::ls_rows(&h)?;
-            rows.extend(routing::machine_rows(&h)?);
-            vm_cmds::ls(&rows, json)
-        }),
-        Command::Console {
-            name,
-            send: Some(line),
-            ..
-        } => home().and_then(|h| vm_cmds::console_send(&h, &name, &line)),
-        Command::Console { name, follow, .. } => {
-            home().and_then(|h| vm_cmds::console(&h, &name, follow))
-        }
-        Command::Stop { name, timeout_secs } => home()
-            .and_then(|h| vm_cmds::stop(&h, &name, std::time::Duration::from_secs(timeout_secs))),
-        Command::Kill { name } => home().and_then(|h| vm_cmds::kill(&h, &name)),
-        Command::Disk(DiskCommand::Layers { name, json }) => {
-            home().and_then(|h| vm_cmds::disk_layers(&h, &name, json))
-        }
-        Command::Rm { name, force } => home().and_then(|h| vm_cmds::rm(&h, &name, force)),
-        Command::Fork {
-            name,
-            count,
-            names,
-            contract,
-            json,
-        } => home().and_then(|h| {
-            if tree_cmds::is_sleeping(&h, &name) {
-                let names: Vec<String> = match names {
-                    Some(n) => n.split(',').map(str::to_string).collect(),
-                    None => (1..=count.unwrap_or(1))
-                        .map(|i| format!("{name}-{i}"))
-                        .collect(),
-                };
-                return tree_cmds::fork_sleeping(
-                    &h,
-                    &name,
-                    &names,
-                    false,
-                    contract.as_deref(),
-                    json,
-                );
-            }
-            fork_cmds::fork(&h, &name, count, names, contract.as_deref(), json)
-        }),
-        Command::Sleep { name, json } => home().and_then(|h| tree_cmds::sleep(&h, &name, json)),
-        Command::Wake {
-            branch,
-            name,
-            net,
-            lazy,
-        } => home().and_then(|h| tree_cmds::wake(&h, &branch, name.as_deref(), net, lazy)),
-        Command::Tree { json } => home().and_then(|h| tree_cmds::tree(&h, json)),
-        Command::Gc { json } => home().and_then(|h| tree_cmds::gc(&h, json)),
-        Command::Store(StoreCommand::Verify { json }) => {
-            home().and_then(|h| tree_cmds::verify(&h, json))
-        }
-        Command::Contract(cmd) => home().and_then(|h| contract_cmds::contract(&h, cmd)),
-        Command::Secret(cmd) => home().and_then(|h| contract_cmds::secret(&h, cmd)),
-        Command::Checkpoint { name, tag, json } => {
-            home().and_then(|h| fork_cmds::checkpoint(&h, &name, tag, json))
-        }
-        Command::Rollback { name, tag, json } => {
-            home().and_then(|h| fork_cmds::rollback(&h, &name, &tag, json))
-        }
-        Command::Checkpoints { name } => home().and_then(|h| {
-            for c in fork_cmds::list_checkpoints(&h, &name)? {
-                println!("{}\tpid {}", c.tag, c.pid);
-            }
-            Ok(ExitCode::SUCCESS)
-        }),
-        Command::Snapshot { name, to, json } => {
-            home().and_then(|h| fork_cmds::snapshot(&h, &name, &to, json))
-        }
-        Command::Image(cmd) => image_cmd::run(cmd),
-        Command::Machine(cmd) => home().and_then(|h| machine::run(&h, cmd)),
-        Command::Effects(args) => home().and_then(|h| effects_cmds::effects_cmd(&h, args)),
-        Command::Gateway(cmd) => home().and_then(|h| effects_cmds::gateway(&h, cmd)),
-    }
-}
-
 /// `$TINE_HOME`, or `~/.cache/tine`.
-fn home() -> anyhow::Result<std::path::PathBuf> {
+pub fn home() -> anyhow::Result<PathBuf> {
     Ok(image::default_home()?)
 }
 

@@ -18,9 +18,9 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use crate::machine::{self, MachineState};
-use crate::state::VmDir;
-use crate::vm_cmds::LsRow;
+use crate::verbs::LsRow;
 use crate::Command;
+use host::state::VmDir;
 
 /// Runs `cmd` through the machine when it belongs there; `None` = run here.
 pub fn through_machine(
@@ -42,11 +42,10 @@ pub fn through_machine(
         Command::Console { name, .. }
         | Command::Stop { name, .. }
         | Command::Kill { name }
-        | Command::Rm { name, .. }
         | Command::Disk(crate::DiskCommand::Layers { name, .. })
         | Command::Checkpoint { name, .. }
         | Command::Rollback { name, .. }
-        | Command::Checkpoints { name }
+        | Command::Checkpoints { name, .. }
         | Command::Snapshot { name, .. }
         | Command::Sleep { name, .. }
             if remote_vm(name) =>
@@ -54,28 +53,33 @@ pub fn through_machine(
             Some(forward(false))
         }
         Command::Contract(
-            crate::contract_cmds::ContractCommand::Show { name }
-            | crate::contract_cmds::ContractCommand::Set { name, .. },
+            crate::agent_cmds::ContractCommand::Show { name }
+            | crate::agent_cmds::ContractCommand::Set { name, .. },
         )
-        | Command::Secret(crate::contract_cmds::SecretCommand::Ls { name })
+        | Command::Secret(crate::agent_cmds::SecretCommand::Ls { name })
             if remote_vm(name) =>
         {
             Some(forward(false))
         }
-        Command::Secret(crate::contract_cmds::SecretCommand::Add { name, .. })
-            if remote_vm(name) =>
-        {
+        Command::Secret(crate::agent_cmds::SecretCommand::Add { name, .. }) if remote_vm(name) => {
             Some(forward(true))
         }
+        Command::Effects(e) if e.vm().is_some_and(remote_vm) => Some(forward(false)),
+        // `NAME@TAG` is a checkpoint of vm NAME; a sleeping branch of this
+        // host's store is removed here.
+        Command::Rm { name, .. }
+            if remote_vm(name.split('@').next().unwrap_or(name))
+                && !host::tree::has_branch_in(home, name) =>
+        {
+            Some(forward(false))
+        }
         Command::Fork { name, .. }
-            if remote_vm(name) && !crate::tree_cmds::is_sleeping(home, name) =>
+            if remote_vm(name) && !host::tree::is_sleeping_in(home, name) =>
         {
             Some(forward(false))
         }
         // A branch sleeps in the store of the host its vm ran on.
-        Command::Wake { branch, .. }
-            if !crate::tree_cmds::has_branch(home, branch) && running() =>
-        {
+        Command::Wake { branch, .. } if !host::tree::has_branch_in(home, branch) && running() => {
             Some(forward(false))
         }
         Command::Cp { src, dst } => {

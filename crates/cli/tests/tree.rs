@@ -168,14 +168,20 @@ fn test_sleep_then_wake_continues_exactly_and_a_branch_woken_twice_gives_two() {
     assert!(!h.ok(&["ls"]).contains("f1"), "no copy woke");
     let out = h.ok(&["fork", "m", "--names", "f1,f2", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).expect("fork json");
-    assert_eq!(v["branch"], "m", "{v}");
+    // The same report as a fork of a running vm: one result per child.
+    assert_eq!(v["name"], "m", "{v}");
     assert_eq!(v["problems"], serde_json::json!([]), "{v}");
-    let copies = v["copies"].as_array().expect("copies");
-    assert_eq!(copies.len(), 2, "{v}");
+    let results = v["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "{v}");
     assert!(
-        copies
+        results
             .iter()
-            .all(|c| c["pid"].as_u64().is_some() && c["ready_ms"].as_f64().is_some()),
+            .all(|c| c["pid"].as_u64().is_some() && c["ok"] == true),
+        "{v}"
+    );
+    assert_eq!(
+        v["child_running_ms"].as_array().map(Vec::len),
+        Some(2),
         "{v}"
     );
     assert_eq!(ask(&h, "f2", "sum 8", "SUM"), sum8);

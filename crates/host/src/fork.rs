@@ -199,7 +199,6 @@ fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<Strin
     let mut seen = std::collections::HashSet::new();
     for n in &names {
         state::validate_name(n)?;
-        crate::ensure!(n != name, "a child cannot be named like its parent ({n:?})");
         crate::ensure!(seen.insert(n.as_str()), "the name {n:?} is given twice");
         if VmDir::new(&h.home, n).exists() {
             return Err(Error::conflict(format!(

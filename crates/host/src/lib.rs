@@ -79,6 +79,44 @@ impl Binaries {
     }
 }
 
+/// The environment variables that configure the engine (the store, its
+/// cache and fault points, S3 credentials, the KVM device, the VMMs'
+/// logging). tined reports their fingerprint; the CLI restarts a tined
+/// whose configuration differs from its own environment, so a command
+/// runs as configured where it was typed.
+pub const CONFIG_ENV: &[&str] = &[
+    "TINE_STORE",
+    "TINE_STORE_CACHE",
+    "TINE_STORE_FAULT",
+    "TINE_EFFECTS_FAULT",
+    "TINE_KVM_DEVICE",
+    "TINE_LOG",
+    "TINE_VMM_BIN",
+    "TINE_GATEWAY_BIN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ALLOW_HTTP",
+];
+
+/// A fingerprint of this process's [`CONFIG_ENV`] (values hashed, never shown).
+pub fn config_fingerprint() -> String {
+    let mut h = blake3::Hasher::new();
+    for k in CONFIG_ENV {
+        if let Some(v) = std::env::var_os(k) {
+            h.update(k.as_bytes());
+            h.update(b"=");
+            h.update(v.as_encoded_bytes());
+            h.update(b"\0");
+        }
+    }
+    h.finalize().to_hex()[..16].to_string()
+}
+
 /// One tine home (`$TINE_HOME`): its vms, layers, store, leases, locks
 /// and intents.
 #[derive(Clone, Debug)]

@@ -350,7 +350,7 @@ pub fn wake(
     })?;
     if name == branch && b.state != BranchState::Sleeping {
         return Err(Error::conflict(format!(
-            "branch {branch:?} is {}; wake a copy of it with another name",
+            "branch {branch:?} is {}; wake a copy of it under another name (`tine wake {branch} --name NEW`)",
             b.state
         )));
     }
@@ -528,20 +528,40 @@ pub(crate) fn fork_sleeping(
 
 /// Whether `name` is a sleeping branch of this host's store (and not a vm).
 pub fn is_sleeping(h: &Host, name: &str) -> bool {
-    !VmDir::new(&h.home, name).exists()
-        && branch_row(h, name).is_some_and(|b| b.state == BranchState::Sleeping)
+    is_sleeping_in(&h.home, name)
+}
+
+/// [`is_sleeping`] for the store of `home` (the CLI's routing asks it
+/// without a daemon).
+pub fn is_sleeping_in(home: &Path, name: &str) -> bool {
+    !VmDir::new(home, name).exists()
+        && branch_in(home, name).is_some_and(|b| b.state == BranchState::Sleeping)
+}
+
+/// Whether the store of `home` knows a running or sleeping branch `name`.
+pub fn has_branch_in(home: &Path, name: &str) -> bool {
+    branch_in(home, name).is_some()
 }
 
 /// Branch `name` of this host's store, if there is a store and it has one.
 fn branch_row(h: &Host, name: &str) -> Option<store::BranchRow> {
-    if !store_exists(h) {
+    branch_in(&h.home, name)
+}
+
+fn branch_in(home: &Path, name: &str) -> Option<store::BranchRow> {
+    if !store_exists_in(home) {
         return None;
     }
-    open(h).ok()?.branch(name).ok().flatten()
+    let cfg = StoreConfig::from_env(home).ok()?;
+    Store::open(cfg).ok()?.branch(name).ok().flatten()
 }
 
 fn store_exists(h: &Host) -> bool {
-    h.home.join("store").exists() || std::env::var_os(store::BACKEND_ENV).is_some()
+    store_exists_in(&h.home)
+}
+
+fn store_exists_in(home: &Path) -> bool {
+    home.join("store").exists() || std::env::var_os(store::BACKEND_ENV).is_some()
 }
 
 /// Removes a sleeping branch (`tine rm` of a name that is no vm): it no
@@ -549,7 +569,9 @@ fn store_exists(h: &Host) -> bool {
 pub(crate) fn remove_branch(h: &Host, name: &str) -> crate::Result<crate::vm::Removed> {
     let _lock = lock::acquire(&h.home, &format!(".branch-{name}"), lock::DEFAULT_WAIT)?;
     let b = branch_row(h, name).ok_or_else(|| {
-        Error::not_found(format!("no vm or branch named {name:?} (see `tine ls`)"))
+        Error::not_found(format!(
+            "no vm named {name:?}, nor a sleeping branch (see `tine ls`)"
+        ))
     })?;
     open(h)?.set_branch(b.id, None, BranchState::Gone)?;
     Ok(crate::vm::Removed {

@@ -289,6 +289,12 @@ fn vmm_default_cmdline() -> &'static str {
 pub fn start(h: &Host, spec: RunSpec) -> crate::Result<RunReport> {
     state::validate_name(&spec.name)?;
     let _lock = lock::reserve(&h.home, std::slice::from_ref(&spec.name))?;
+    if crate::tree::is_sleeping(h, &spec.name) {
+        return Err(Error::conflict(format!(
+            "a sleeping branch named {:?} exists; wake it (`tine wake {}`), remove it (`tine rm {}`) or pick another name",
+            spec.name, spec.name, spec.name
+        )));
+    }
     start_reserved(h, spec)
 }
 
@@ -310,12 +316,6 @@ pub(crate) fn start_reserved(h: &Host, spec: RunSpec) -> crate::Result<RunReport
             ),
         }));
     }
-    if crate::tree::is_sleeping(h, &spec.name) {
-        return Err(Error::conflict(format!(
-            "a sleeping branch named {:?} exists; wake it (`tine wake {}`), remove it (`tine rm {}`) or pick another name",
-            spec.name, spec.name, spec.name
-        )));
-    }
     let mut intent = Intent::begin(
         &h.home,
         Op::Run {
@@ -323,7 +323,9 @@ pub(crate) fn start_reserved(h: &Host, spec: RunSpec) -> crate::Result<RunReport
         },
     )?;
     let res = launch(h, &spec, &plan, &vm, &mut intent, started);
-    if res.is_err() {
+    // A vm whose VMM ran stays, stopped (it has an exit record); anything
+    // else a failed start made goes.
+    if res.is_err() && vm.read_exit().is_none() {
         undo_start(h, &vm);
     }
     intent.done();
@@ -400,6 +402,41 @@ fn launch(
     intent.phase(Phase::Recorded)?;
     let gateway_problem = gateway::register(h, vm, &record);
 
+    let res = become_ready(spec, plan, vm, &record, &mut child, started);
+    // The VMM is not ours to wait for here: the reaper (tined) or init
+    // reaps it when it ends.
+    std::mem::forget(child);
+    match res {
+        Ok((woken, mut problems)) => {
+            problems.extend(gateway_problem);
+            Ok(RunReport {
+                name: spec.name.clone(),
+                pid,
+                ready_ms: started.elapsed().as_secs_f64() * 1000.0,
+                wake: woken,
+                problems,
+            })
+        }
+        Err(e) => {
+            // It ran: it stays, stopped, with its logs and why (so `ls`
+            // and `tine console` can tell), its resources let go.
+            stop_failed(h, vm, &record, &e.to_string());
+            Err(e)
+        }
+    }
+}
+
+/// Waits until the vm answers and wakes it; its wake, and problems.
+fn become_ready(
+    spec: &RunSpec,
+    plan: &Plan,
+    vm: &VmDir,
+    record: &VmRecord,
+    child: &mut std::process::Child,
+    started: Instant,
+) -> crate::Result<(Option<wake::Woken>, Vec<String>)> {
+    let pid = record.pid;
+    let lease = record.lease;
     let deadline = started + Duration::from_secs(spec.timeout_s);
     let vmm = Pid {
         pid,
@@ -484,17 +521,27 @@ fn launch(
         }
         woken = Some(w);
     }
-    // The VMM is not ours to wait for here: the reaper (tined) or init
-    // reaps it when it ends.
-    std::mem::forget(child);
-    problems.extend(gateway_problem);
-    Ok(RunReport {
-        name: spec.name.clone(),
-        pid,
-        ready_ms: started.elapsed().as_secs_f64() * 1000.0,
-        wake: woken,
-        problems,
-    })
+    Ok((woken, problems))
+}
+
+/// Ends a vm whose start failed after its VMM ran: killed if it still
+/// runs, its exit record saying why, its lease, tap and registration let go.
+fn stop_failed(h: &Host, vm: &VmDir, r: &VmRecord, why: &str) {
+    let _ = kill_quietly(r);
+    if vm.read_exit().is_none() {
+        let rec = state::ExitRecord {
+            reason: format!("failed to start: {why}"),
+            ended_ms: state::now_ms(),
+        };
+        if let Ok(b) = serde_json::to_vec(&rec) {
+            let _ = state::write_atomic(&vm.exit_path(), &b);
+        }
+    }
+    gateway::unregister(h, r);
+    if let Some(l) = &r.lease {
+        net::forget(&tap_name(&vm.name));
+        net::release(&h.home, l);
+    }
 }
 
 /// Removes what a failed start left: its process, lease, tap, directory.

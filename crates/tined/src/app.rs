@@ -41,6 +41,11 @@ pub struct AppState {
     pub build: String,
     /// Set by `POST /v1/shutdown`.
     pub shutdown: tokio::sync::Notify,
+    /// Shutting down: new requests are refused (503), the ones in flight
+    /// and the running operations finish first.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Requests being answered (streams not counted).
+    pub in_flight: std::sync::atomic::AtomicUsize,
 }
 
 pub type Shared = Arc<AppState>;
@@ -57,6 +62,8 @@ impl AppState {
             last_request: AtomicU64::new(host::state::now_ms()),
             build,
             shutdown: tokio::sync::Notify::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 }
@@ -140,7 +147,26 @@ async fn count_requests(
     s.last_request
         .store(host::state::now_ms(), Ordering::Relaxed);
     let method = req.method().to_string();
+    let path = req.uri().path().to_string();
+    if s.draining.load(Ordering::Relaxed) && path != "/v1/health" {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "restarting",
+            "tined is shutting down; try again in a moment",
+        )
+        .into_response();
+    }
+    // Streams (attach, events, console) may last forever: a shutdown
+    // does not wait for them.
+    let streaming =
+        path.ends_with("/attach") || path.ends_with("/events") || path.ends_with("/console");
+    if !streaming {
+        s.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
     let res = next.run(req).await;
+    if !streaming {
+        s.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
     s.metrics
         .requests
         .get_or_create(&crate::metrics::RequestLabels {
@@ -298,6 +324,9 @@ pub struct Health {
     pub version: String,
     /// Identifies the build (executable path and time).
     pub build: String,
+    /// The fingerprint of the environment that configures the engine
+    /// (host::CONFIG_ENV).
+    pub config: String,
     pub pid: u32,
     pub home: String,
     pub uptime_s: u64,
@@ -310,6 +339,7 @@ pub async fn health(State(s): State<Shared>) -> Json<Health> {
         ok: true,
         version: env!("CARGO_PKG_VERSION").into(),
         build: s.build.clone(),
+        config: host::config_fingerprint(),
         pid: std::process::id(),
         home: s.host.home.display().to_string(),
         uptime_s: s.started.elapsed().as_secs(),

@@ -22,6 +22,9 @@ pub struct BuildSpec {
     /// Rebuild even when a cached image matches.
     #[serde(default)]
     pub force: bool,
+    /// Build it without the agent (its vms then run only with no_agent).
+    #[serde(default)]
+    pub no_agent: bool,
 }
 
 /// Every image under `home`: name, directory, manifest.
@@ -63,6 +66,9 @@ pub fn build(
     }
     if spec.force {
         cmd.arg("--force");
+    }
+    if spec.no_agent {
+        cmd.arg("--no-agent");
     }
     progress.start(&format!("building image {}", spec.kind), 0);
     let out = host::proc::output(&mut cmd, b"", std::time::Duration::from_secs(3600))?;

@@ -53,6 +53,8 @@ enum Sub {
         kernel: Option<PathBuf>,
         #[arg(long)]
         force: bool,
+        #[arg(long)]
+        no_agent: bool,
     },
     /// Print the OpenAPI document and exit.
     Openapi,
@@ -77,7 +79,8 @@ fn main() -> std::process::ExitCode {
             agent,
             kernel,
             force,
-        }) => build_image(&kind, agent, kernel, force),
+            no_agent,
+        }) => build_image(&kind, agent, kernel, force, no_agent),
         Some(Sub::Openapi) => {
             print!("{}", tined::openapi::document());
             Ok(())
@@ -98,12 +101,17 @@ fn build_image(
     agent: Option<PathBuf>,
     kernel: Option<PathBuf>,
     force: bool,
+    no_agent: bool,
 ) -> anyhow::Result<()> {
     let home = image::default_home()?;
     let mut opts = image::BuildOptions::new(home);
     opts.kernel = kernel;
     opts.force = force;
-    opts.agent = agent;
+    opts.agent = match (no_agent, agent) {
+        (true, _) => image::AgentChoice::None,
+        (false, Some(p)) => image::AgentChoice::Path(p),
+        (false, None) => image::AgentChoice::Default,
+    };
     let kind = match kind {
         "minimal" => image::ImageKind::Minimal,
         "debian" => image::ImageKind::Debian,
@@ -222,7 +230,10 @@ fn daemon(
         tracing::info!("listening on {}", sock.display());
         let watch = watch_home(state.clone(), sock.clone(), idle_exit);
         tokio::select! {
-            _ = state.shutdown.notified() => tracing::info!("shutdown asked; the vms keep running"),
+            _ = state.shutdown.notified() => {
+                tracing::info!("shutdown asked; finishing what is in flight (the vms keep running)");
+                drain(&state).await;
+            }
             why = watch => tracing::info!("exiting: {why}"),
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; the vms keep running"),
         }
@@ -233,6 +244,20 @@ fn daemon(
     // Blocking operations still running are abandoned with the process;
     // their intents are reconciled by the next tined.
     std::process::exit(0);
+}
+
+/// Refuses new requests and waits (at most 5 minutes) until the ones in
+/// flight and the running operations are done.
+async fn drain(state: &tined::app::Shared) {
+    use std::sync::atomic::Ordering;
+    state.draining.store(true, Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    // The shutdown request itself is in flight until it is answered.
+    while (state.in_flight.load(Ordering::Relaxed) > 1 || state.ops.running() > 0)
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Resolves when tined should exit on its own: its socket or home was

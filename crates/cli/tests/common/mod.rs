@@ -11,7 +11,54 @@ use std::time::{Duration, Instant};
 
 /// The `tine` binary under test.
 pub fn tine() -> Command {
+    siblings_are_fresh();
     Command::new(env!("CARGO_BIN_EXE_tine"))
+}
+
+/// `tine` starts `tined`, which starts `tine-vmm`: binaries of other
+/// packages, which `cargo test -p tine-cli` does not rebuild. One older
+/// than a source file it is built from would test old code: say so.
+fn siblings_are_fresh() {
+    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
+    let res = CHECKED.get_or_init(|| {
+        let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let newest = |dirs: &[&str]| {
+            let mut t = std::time::SystemTime::UNIX_EPOCH;
+            let mut stack: Vec<PathBuf> = dirs.iter().map(|d| crates.join(d).join("src")).collect();
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                    let p = e.path();
+                    if p.is_dir() {
+                        stack.push(p);
+                    } else if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
+                        t = t.max(m);
+                    }
+                }
+            }
+            t
+        };
+        let engine = ["host", "vmm", "store", "disk", "snapshot", "effects", "contract", "protocol", "image"];
+        let bins: [(&str, Vec<&str>); 3] = [
+            ("tined", [&engine[..], &["tined"]].concat()),
+            ("tine-vmm", vec!["tine-vmm", "vmm", "store", "disk", "snapshot", "image"]),
+            ("tine-gateway", vec!["effects", "contract"]),
+        ];
+        let tine = PathBuf::from(env!("CARGO_BIN_EXE_tine"));
+        for (name, srcs) in bins {
+            let p = tine.with_file_name(name);
+            let built = std::fs::metadata(&p).and_then(|m| m.modified()).ok();
+            if built.is_none_or(|b| b < newest(&srcs)) {
+                return Err(format!(
+                    "{} is missing or older than its sources: run `cargo build --workspace` first (scripts/test does)",
+                    p.display()
+                ));
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = res {
+        panic!("{e}");
+    }
 }
 
 /// Fails loudly in CI when /dev/kvm is missing; elsewhere lets the caller skip.

@@ -1,18 +1,20 @@
-//! `tine exec` and `tine cp`: work inside a running vm through its agent.
+//! Verbs that work inside a vm through its agent: `exec` and `cp` go
+//! through tined's `attach` (the connection then speaks the agent's
+//! protocol, so stdin and output stream both ways as they come), and the
+//! contract and secret verbs.
 
-use std::io::IsTerminal;
-use std::path::Path;
+use std::io::{IsTerminal, Read};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::Args;
+use base64::Engine;
+use clap::{Args, Subcommand};
+use hyper::Method;
 use protocol::client::{self, ExecRequest};
 
-use crate::agent_client;
-use crate::state::{VmDir, VmState};
-
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::client::Client;
 
 #[derive(Args, Debug)]
 pub struct ExecArgs {
@@ -46,23 +48,8 @@ impl ExecArgs {
     }
 }
 
-/// The running vm `name` with an agent, or a clear error.
-pub fn agent_vm(home: &Path, name: &str) -> anyhow::Result<VmDir> {
-    let vm = VmDir::new(home, name);
-    let r = vm.read_record()?;
-    match vm.state(&r) {
-        VmState::Running => {}
-        s => bail!("vm {name:?} is {s}; start a new one with `tine run`"),
-    }
-    if !r.agent {
-        bail!("vm {name:?} has no agent (a micro guest); exec and cp need a Linux image");
-    }
-    Ok(vm)
-}
-
 /// `tine exec NAME -- CMD...`: exit status passes through (128+N for a signal).
-pub fn exec(home: &Path, args: ExecArgs) -> anyhow::Result<ExitCode> {
-    let vm = agent_vm(home, &args.name)?;
+pub fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<ExitCode> {
     let wants_stdin = args.wants_stdin();
     let env = args
         .env
@@ -83,8 +70,7 @@ pub fn exec(home: &Path, args: ExecArgs) -> anyhow::Result<ExitCode> {
         cwd: args.cwd,
         timeout,
     };
-    let mut conn = agent_client::connect(&vm.vsock(), CONNECT_TIMEOUT)
-        .with_context(|| format!("cannot reach the agent of vm {:?}", args.name))?;
+    let mut conn = c.attach(&args.name)?;
     let stdin = wants_stdin.then(std::io::stdin);
     let info = client::exec(&mut conn, req, stdin, std::io::stdout(), std::io::stderr())?;
     if info.timed_out {
@@ -110,11 +96,10 @@ fn parse_location(s: &str) -> Location<'_> {
 }
 
 /// `tine cp SRC DST`: one side is `NAME:/path`; `-` is stdin or stdout.
-pub fn cp(home: &Path, src: &str, dst: &str) -> anyhow::Result<ExitCode> {
+pub fn cp(c: &Client, src: &str, dst: &str) -> anyhow::Result<ExitCode> {
     match (parse_location(src), parse_location(dst)) {
         (Location::Host(h), Location::Guest { vm, path }) => {
-            let dir = agent_vm(home, vm)?;
-            let (input, mode): (Box<dyn std::io::Read>, u32) = if h == "-" {
+            let (input, mode): (Box<dyn Read>, u32) = if h == "-" {
                 (Box::new(std::io::stdin()), 0o644)
             } else {
                 let f = std::fs::File::open(h).with_context(|| format!("cannot open {h}"))?;
@@ -122,15 +107,12 @@ pub fn cp(home: &Path, src: &str, dst: &str) -> anyhow::Result<ExitCode> {
                     std::os::unix::fs::PermissionsExt::mode(&f.metadata()?.permissions()) & 0o7777;
                 (Box::new(f), mode)
             };
-            let mut conn = agent_client::connect(&dir.vsock(), CONNECT_TIMEOUT)
-                .with_context(|| format!("cannot reach the agent of vm {vm:?}"))?;
+            let mut conn = c.attach(vm)?;
             client::write_file(&mut conn, path, mode, input)
                 .with_context(|| format!("cannot write {vm}:{path}"))?;
         }
         (Location::Guest { vm, path }, Location::Host(h)) => {
-            let dir = agent_vm(home, vm)?;
-            let mut conn = agent_client::connect(&dir.vsock(), CONNECT_TIMEOUT)
-                .with_context(|| format!("cannot reach the agent of vm {vm:?}"))?;
+            let mut conn = c.attach(vm)?;
             if h == "-" {
                 client::read_file(&mut conn, path, std::io::stdout().lock())
                     .with_context(|| format!("cannot read {vm}:{path}"))?;
@@ -158,6 +140,117 @@ pub fn cp(home: &Path, src: &str, dst: &str) -> anyhow::Result<ExitCode> {
         }
         (Location::Host(_), Location::Host(_)) => {
             bail!("one side of `tine cp` must be NAME:/path in a vm")
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Subcommand)]
+pub enum ContractCommand {
+    /// Print a vm's effective fork contract (TOML).
+    Show { name: String },
+    /// Replace a vm's contract with FILE (its registered secrets stay
+    /// unless FILE names them).
+    Set { name: String, file: PathBuf },
+}
+
+#[derive(Subcommand)]
+pub enum SecretCommand {
+    /// Write a secret into a running vm and register what forks do to it.
+    /// The value comes from --value-file, or stdin.
+    Add {
+        name: String,
+        secret: String,
+        /// Where the secret's file lives in the guest (absolute).
+        #[arg(long)]
+        path: String,
+        /// keep | revoke | rotate.
+        #[arg(long = "on-fork")]
+        on_fork: String,
+        /// For rotate: host command printing a child's value; it gets the
+        /// child's and the parent's names as arguments.
+        #[arg(long)]
+        provider: Option<String>,
+        /// For revoke: guest command run after the file is wiped.
+        #[arg(long = "revoke-hook")]
+        revoke_hook: Option<String>,
+        #[arg(long = "value-file")]
+        value_file: Option<PathBuf>,
+    },
+    /// The secrets registered with a vm (names and policies, not values).
+    Ls { name: String },
+}
+
+pub fn contract(c: &Client, cmd: ContractCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        ContractCommand::Show { name } => {
+            let b: serde_json::Value = c.get(&format!("/v1/vms/{name}/contract"))?;
+            print!("{}", b["toml"].as_str().unwrap_or_default());
+        }
+        ContractCommand::Set { name, file } => {
+            let toml = std::fs::read_to_string(&file)
+                .with_context(|| format!("cannot read the contract {}", file.display()))?;
+            let _: serde_json::Value = c
+                .call(
+                    Method::PUT,
+                    &format!("/v1/vms/{name}/contract"),
+                    Some(&serde_json::json!({ "toml": toml })),
+                    &[],
+                )
+                .with_context(|| format!("in {}", file.display()))?;
+            println!("{name}: contract set from {}", file.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn secret(c: &Client, cmd: SecretCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        SecretCommand::Add {
+            name,
+            secret,
+            path,
+            on_fork,
+            provider,
+            revoke_hook,
+            value_file,
+        } => {
+            let mut value = Vec::new();
+            match &value_file {
+                Some(f) => {
+                    value =
+                        std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?
+                }
+                None => {
+                    std::io::stdin()
+                        .read_to_end(&mut value)
+                        .context("cannot read the secret from stdin")?;
+                }
+            }
+            let body = serde_json::json!({
+                "path": path,
+                "on_fork": on_fork,
+                "provider": provider,
+                "revoke_hook": revoke_hook,
+                "value_b64": base64::engine::general_purpose::STANDARD.encode(&value),
+            });
+            let info: host::contract::SecretInfo = c.call(
+                Method::PUT,
+                &format!("/v1/vms/{name}/secrets/{secret}"),
+                Some(&body),
+                &[],
+            )?;
+            println!(
+                "{name}: secret {} at {}, on fork: {}",
+                info.name, info.path, info.on_fork
+            );
+        }
+        SecretCommand::Ls { name } => {
+            let list: Vec<host::contract::SecretInfo> =
+                c.get(&format!("/v1/vms/{name}/secrets"))?;
+            for s in list {
+                println!("{}\t{}\t{}", s.name, s.path, s.on_fork);
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
