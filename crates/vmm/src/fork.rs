@@ -423,6 +423,14 @@ impl Standby {
         self.spawned.pid
     }
 
+    /// Calls it off: its pipe closes, it exits, and its status is
+    /// collected (a process that goes on must not keep it as a zombie).
+    pub fn cancel(self) {
+        let Standby { spawned, handover } = self;
+        drop(handover);
+        spawned.reap(Duration::from_secs(1));
+    }
+
     /// Sends `data` to a standby made by [`spawn_standby`]; it then runs
     /// its body.
     pub fn start(self, data: &[u8]) -> Result<Spawned, ForkError> {
@@ -542,6 +550,23 @@ pub struct Spawned {
 }
 
 impl Spawned {
+    /// Collects the process's exit status so it does not linger as a
+    /// zombie of this one: a zygote or writer exits right after its
+    /// report, so this waits up to `timeout` for it, then leaves the
+    /// wait to a thread. Only for a process this one forked.
+    pub fn reap(&self, timeout: Duration) {
+        reap(self.pid, timeout)
+    }
+
+    /// Kills the process and collects its status (see [`Spawned::reap`]).
+    pub fn kill_and_reap(&self) {
+        // SAFETY: kill(2) of a process this one forked and has not reaped.
+        unsafe {
+            libc::kill(self.pid as libc::pid_t, libc::SIGKILL);
+        }
+        self.reap(Duration::from_secs(1));
+    }
+
     /// Waits for the process to report ready; returns its detail line.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<String, ForkError> {
         let fd = self.report.get_ref().as_raw_fd();
@@ -841,6 +866,33 @@ fn child_main(
     // SAFETY: ends this forked process without running the parent's
     // destructors or atexit handlers.
     unsafe { libc::_exit(code) }
+}
+
+/// Collects the exit status of `pid`, a child of this process (see
+/// [`Spawned::reap`]).
+pub fn reap(pid: u32, timeout: Duration) {
+    let pid = pid as libc::pid_t;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on one child with a valid status pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r != 0 {
+            // Reaped, or not (or no longer) a child of this process.
+            return;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = std::thread::Builder::new()
+        .name("reaper".into())
+        .spawn(move || {
+            let mut status = 0;
+            // SAFETY: as above, blocking.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+        });
 }
 
 /// CLOCK_MONOTONIC in ns: the same clock in every process, so a forked

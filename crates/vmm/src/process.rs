@@ -409,8 +409,9 @@ fn freeze_and(
     {
         Ok(f) => f,
         Err(e) => {
-            // Dropping the standby's pipe tells it to exit.
-            drop(standby);
+            if let Some(s) = standby {
+                s.cancel();
+            }
             return Reply::error(chain(&e));
         }
     };
@@ -425,6 +426,7 @@ fn freeze_and(
     });
     fork::trace(frozen.started(), "frozen");
     let mut others = Vec::new();
+    let mut cont_pid = None;
     let cont = match standby {
         Some(s) => frozen.hand_over(s),
         None => fork::spawn(&frozen.continuation_parts(), true, |off| {
@@ -433,6 +435,7 @@ fn freeze_and(
     }
     .and_then(|mut c| {
         fork::trace(frozen.started(), "continuation forked");
+        cont_pid = Some(c.pid);
         others = start(&frozen.parts())?;
         let running_ns = c.wait_ready(READY_TIMEOUT)?;
         Ok((c, running_ns))
@@ -440,8 +443,11 @@ fn freeze_and(
     let (cont, running_ns) = match cont {
         Ok(c) => c,
         Err(e) => {
-            for o in &others {
-                kill(o.pid);
+            // The vm goes on here: nothing started for it may linger,
+            // running or as a zombie.
+            for pid in others.iter().map(|o| o.pid).chain(cont_pid) {
+                kill(pid);
+                fork::reap(pid, Duration::from_secs(1));
             }
             if let Some((p, aside)) = api_aside {
                 let _ = std::fs::rename(aside, p);
@@ -550,9 +556,17 @@ fn freeze_in_place(
     }
     let pause_ms = ms(started.elapsed());
     let mut reply = match zygote.wait_ready(WRITER_TIMEOUT) {
-        Ok(json) => serde_json::from_str(&json)
-            .unwrap_or_else(|e| Reply::error(format!("bad report from the zygote: {e}"))),
-        Err(e) => Reply::error(chain(&e)),
+        Ok(json) => {
+            // It exits right after its report; the processes it started
+            // are orphans the system reaps.
+            zygote.reap(Duration::from_secs(1));
+            serde_json::from_str(&json)
+                .unwrap_or_else(|e| Reply::error(format!("bad report from the zygote: {e}")))
+        }
+        Err(e) => {
+            zygote.kill_and_reap();
+            Reply::error(chain(&e))
+        }
     };
     reply.pid = std::process::id();
     reply.name = opts.name.clone();
