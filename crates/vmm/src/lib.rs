@@ -29,6 +29,7 @@ pub mod pagein;
 pub mod process;
 pub mod snapshot_dir;
 pub mod state;
+pub mod title;
 mod uffd;
 pub mod vcpu;
 pub mod vm;

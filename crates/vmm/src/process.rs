@@ -71,6 +71,8 @@ pub fn serve(
     opts: ProcessOptions,
     on_running: impl FnOnce(),
 ) -> Result<GuestExit, ServeError> {
+    // A forked process still shows its parent's name and command line.
+    crate::title::set(&opts.name, None);
     let running = vmm.start_as(opts.start_paused)?;
     if let (Some(path), Some(source)) = (&opts.api_socket, running.fork_source()) {
         let listener = bind(path)?;
@@ -213,7 +215,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 None,
                 |parts| {
                     Ok(vec![fork::spawn(parts, true, |off| {
-                        template_body(off, &tag, &socket)
+                        template_body(off, &opts.name, &tag, &socket)
                     })?])
                 },
                 |mut t, _| {
@@ -810,7 +812,8 @@ fn redirect_stdio(log: &Path) -> Result<(), String> {
 
 /// Body of a checkpoint's template: holds the frozen moment and starts the
 /// vm from it again on request (rollback).
-fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
+fn template_body(off: &mut Offspring, name: &str, tag: &str, socket: &Path) -> i32 {
+    crate::title::set(name, Some(&format!("(checkpoint {tag})")));
     // The vms it starts are its children; one replaced by a later rollback
     // must not linger as a zombie: the kernel reaps them.
     // SAFETY: sets the disposition of one signal in this single-threaded

@@ -118,3 +118,73 @@ fn test_forks_of_a_forked_vm_leave_no_zombies() {
     micro::kill(vm as i32);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+fn comm(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .unwrap_or_default()
+        .trim_end()
+        .to_string()
+}
+
+fn cmdline(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    String::from_utf8_lossy(&raw)
+        .trim_end_matches('\0')
+        .replace('\0', " ")
+}
+
+/// Every VMM process is named after its own vm in `ps`: the booted vm,
+/// its continuation, a child, and a checkpoint's template.
+#[test]
+fn test_each_vmm_process_is_named_after_its_vm() {
+    let dir = scratch("hygiene", "names");
+    let console = Console::in_dir(&dir, "parent-with-a-long-name");
+    let cfg = config(guests::memtouch_path(), 64, &console);
+    let p = VmmProcess::spawn(&dir, "parent-with-a-long-name", move || {
+        vmm::build(&cfg).expect("build")
+    });
+    console.wait_nth("READY", 1);
+    // comm is 15 bytes at most.
+    assert_eq!(comm(p.pid as u32), "vmm:parent-with");
+    assert_eq!(cmdline(p.pid as u32), "tine-vmm parent-with-a-long-name");
+
+    let r = p
+        .call(&Request::Fork {
+            children: vec![identity(&dir, "kid")],
+            layers_dir: dir.join("layers"),
+        })
+        .expect("fork");
+    let (cont, kid) = (r.continuation_pid.expect("continuation"), r.children[0]);
+    let _ = p.wait(Duration::from_secs(10));
+    assert_eq!(comm(cont), "vmm:parent-with");
+    assert_eq!(cmdline(cont), "tine-vmm parent-with-a-long-name");
+    assert_eq!(comm(kid), "vmm:kid");
+    assert_eq!(cmdline(kid), "tine-vmm kid");
+
+    let r = vmm::api::call(
+        &p.api,
+        &Request::Checkpoint {
+            tag: "t1".into(),
+            socket: dir.join("t1.sock"),
+            layers_dir: dir.join("layers"),
+        },
+        micro::WAIT,
+    )
+    .expect("checkpoint");
+    assert!(r.reply.error.is_none(), "{:?}", r.reply.error);
+    let template = r.reply.template_pid.expect("template");
+    drop(r);
+    assert_eq!(comm(template), "vmm:parent-with");
+    assert_eq!(
+        cmdline(template),
+        "tine-vmm parent-with-a-long-name (checkpoint t1)"
+    );
+    let _ = vmm::api::call(&dir.join("t1.sock"), &Request::Drop, micro::WAIT);
+    // The vm went on in place through the checkpoint.
+    let ping = vmm::api::call(&p.api, &Request::Ping, micro::WAIT).expect("ping");
+    assert_eq!(ping.reply.pid, cont);
+    for pid in [cont, kid] {
+        micro::kill(pid as i32);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
