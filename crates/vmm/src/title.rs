@@ -79,8 +79,8 @@ fn overwrite_args(text: &[u8]) {
         return;
     };
     let n = text.len().min(len - 1);
-    for i in 0..len {
-        let b = if i < n { text[i] } else { 0 };
+    let bytes = text[..n].iter().copied().chain(std::iter::repeat(0));
+    for (i, b) in bytes.take(len).enumerate() {
         // SAFETY: [start, end) is this process's argument area, mapped
         // and writable for the whole life of the process; bytes are
         // written one by one, so no reference to it is created here.
