@@ -54,6 +54,12 @@ pub enum ForkError {
         #[source]
         source: disk::DiskError,
     },
+    #[error("Cannot create the new top layer of disk {index}")]
+    NewTop {
+        index: usize,
+        #[source]
+        source: disk::DiskError,
+    },
     #[error("Disk {index} needs a path for its frozen layer")]
     NoFrozenPath { index: usize },
     #[error("Cannot move the vsock socket {path} aside")]
@@ -248,6 +254,7 @@ impl ForkSource {
             started,
             started_ns,
             thawed: false,
+            new_tops: Vec::new(),
             dirty: self.handle.dirty_tracking(),
             rebase: None,
         };
@@ -513,6 +520,9 @@ pub struct Frozen<'a> {
     started: Instant,
     started_ns: u64,
     thawed: bool,
+    /// New top layers opened by [`Frozen::prepare_tops`] (disk index,
+    /// disk), installed by [`Frozen::resume_here`].
+    new_tops: Vec<(usize, disk::Disk)>,
     /// Dirty tracking at the moment.
     dirty: DirtyTracking,
     /// The continuation's new dirty base, if the moment is being stored.
@@ -722,7 +732,50 @@ impl Frozen<'_> {
     }
 
     fn thaw_in_place(&mut self) -> Result<(), ForkError> {
+        self.drop_new_tops();
         self.go_on(|f, d| d.thaw(&f.top)).map(|_| ())
+    }
+
+    /// For a vm that goes on in this process: creates and opens a new top
+    /// layer on each frozen disk, so that [`Frozen::resume_here`] cannot
+    /// fail on the disks. Call before any process may stack on the frozen
+    /// layers; on error nothing of it is left and the freeze can still
+    /// be undone with [`Frozen::thaw`].
+    pub fn prepare_tops(&mut self) -> Result<(), ForkError> {
+        let mut failed = None;
+        for f in &self.disks {
+            let res = disk::create_overlay(&f.frozen, &f.top).and_then(|()| {
+                disk::Disk::open(&f.top, true).inspect_err(|_| {
+                    let _ = std::fs::remove_file(&f.top);
+                })
+            });
+            match res {
+                Ok(d) => self.new_tops.push((f.index, d)),
+                Err(source) => {
+                    failed = Some(ForkError::NewTop {
+                        index: f.index,
+                        source,
+                    });
+                    break;
+                }
+            }
+        }
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                self.drop_new_tops();
+                Err(e)
+            }
+        }
+    }
+
+    /// Closes and removes the new tops of [`Frozen::prepare_tops`].
+    fn drop_new_tops(&mut self) {
+        for (_, d) in self.new_tops.drain(..) {
+            let path = d.path().to_path_buf();
+            drop(d);
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     /// Ends the freeze in this process: `per_disk` on each frozen disk,
@@ -749,12 +802,19 @@ impl Frozen<'_> {
 
     /// Step 3 for a vm with private memory, which goes on in this process
     /// (its forks got copy-on-write views of the frozen moment): each
-    /// frozen disk gets a new top layer here, sockets move back, devices
-    /// and vCPUs go on. The frozen layers are fsynced after the resume.
+    /// frozen disk gets its new top layer from [`Frozen::prepare_tops`]
+    /// (which must have succeeded), sockets move back, devices and vCPUs
+    /// go on. The frozen layers are fsynced after the resume.
     pub fn resume_here(mut self) -> Result<(), ForkError> {
+        let mut tops = std::mem::take(&mut self.new_tops);
         let disks = self.go_on(|f, d| {
-            disk::create_overlay(&f.frozen, &f.top)?;
-            *d = disk::Disk::open(&f.top, true)?;
+            match tops.iter().position(|(i, _)| *i == f.index) {
+                Some(k) => *d = tops.swap_remove(k).1,
+                None => {
+                    disk::create_overlay(&f.frozen, &f.top)?;
+                    *d = disk::Disk::open(&f.top, true)?;
+                }
+            }
             Ok(())
         })?;
         for f in &disks {

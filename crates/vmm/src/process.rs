@@ -159,7 +159,11 @@ fn wait_closed(conn: &UnixStream) {
 
 fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOptions) {
     for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
+        let Ok(conn) = conn else {
+            // Out of fds (EMFILE) repeats at once: do not spin on it.
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         let req = match read_request(&conn) {
             Ok(r) => r,
             Err(e) => {
@@ -414,7 +418,7 @@ fn freeze_and(
             if let Some(s) = standby {
                 s.cancel();
             }
-            return Reply::error(chain(&e));
+            return Reply::error(format!("{}; the vm runs on unchanged", chain(&e)));
         }
     };
     if let Some(b) = rebase {
@@ -454,12 +458,8 @@ fn freeze_and(
             if let Some((p, aside)) = api_aside {
                 let _ = std::fs::rename(aside, p);
             }
-            let thawed = frozen.thaw();
-            let mut msg = format!("the vm could not continue after the freeze: {}", chain(&e));
-            if let Err(t) = thawed {
-                msg.push_str(&format!("; and it could not be thawed: {}", chain(&t)));
-            }
-            return Reply::error(msg);
+            let msg = format!("the vm could not continue after the freeze: {}", chain(&e));
+            return thawed_error(frozen, msg);
         }
     };
     // The continuation says when its vCPUs started (same clock); the
@@ -509,10 +509,17 @@ fn freeze_in_place(
         .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
     {
         Ok(f) => f,
-        Err(e) => return Reply::error(chain(&e)),
+        Err(e) => return Reply::error(format!("{}; the vm runs on unchanged", chain(&e))),
     };
     let started = frozen.started();
     fork::trace(started, "frozen");
+    // Everything that can fail on the vm's own disks happens before any
+    // process may stack on its frozen layers: until the zygote exists the
+    // freeze can be undone whole.
+    if let Err(e) = frozen.prepare_tops() {
+        return thawed_error(frozen, chain(&e));
+    }
+    fork::trace(started, "new tops");
     let zygote = fork::spawn(&frozen.parts(), true, |off| {
         let done = start(&off.parts).and_then(|spawned| finish(spawned, t0));
         match done.map(|r| serde_json::to_string(&r)) {
@@ -532,14 +539,7 @@ fn freeze_in_place(
     });
     let mut zygote = match zygote {
         Ok(z) => z,
-        Err(e) => {
-            let thawed = frozen.thaw();
-            let mut msg = chain(&e);
-            if let Err(t) = thawed {
-                msg.push_str(&format!("; and the vm could not be thawed: {}", chain(&t)));
-            }
-            return Reply::error(msg);
-        }
+        Err(e) => return thawed_error(frozen, chain(&e)),
     };
     fork::trace(started, "zygote forked");
     if let Some(b) = rebase {
@@ -574,6 +574,18 @@ fn freeze_in_place(
     reply.name = opts.name.clone();
     reply.pause_ms = Some(pause_ms);
     reply
+}
+
+/// Undoes a freeze that could not go on; the error reply says whether
+/// the vm runs on unchanged.
+fn thawed_error(frozen: fork::Frozen<'_>, msg: String) -> Reply {
+    match frozen.thaw() {
+        Ok(()) => Reply::error(format!("{msg}; the vm runs on unchanged")),
+        Err(t) => Reply::error(format!(
+            "{msg}; and the vm could not be thawed: {}",
+            chain(&t)
+        )),
+    }
 }
 
 fn kill(pid: u32) {
