@@ -50,8 +50,10 @@ use imago::{
     DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, ShallowMapping, StorageOpenOptions,
 };
 
+mod fold;
 mod overlay;
 
+pub use fold::{Fold, FoldDone, FOLD_STEP};
 pub use overlay::create_overlay;
 
 /// The deepest backing chain we open. Each open layer costs one file descriptor.
