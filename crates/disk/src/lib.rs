@@ -881,6 +881,16 @@ impl Disk {
         Ok((false, max))
     }
 
+    /// Layers in the chain, top included.
+    pub fn depth(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Paths of the chain's layers, top first.
+    pub fn layer_paths(&self) -> Vec<PathBuf> {
+        self.layers.iter().map(|l| l.path.clone()).collect()
+    }
+
     /// The chain, top layer first, with current on-host sizes.
     pub fn chain(&self) -> Vec<LayerInfo> {
         self.layers

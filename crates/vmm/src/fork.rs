@@ -60,6 +60,12 @@ pub enum ForkError {
         #[source]
         source: disk::DiskError,
     },
+    #[error("The chain of disk {index} has {depth} layers and a fork, checkpoint or snapshot adds one: the limit is {max}. Fold layers no other vm uses into its top (FoldLayers), after removing the children and checkpoints that keep them")]
+    ChainTooDeep {
+        index: usize,
+        depth: usize,
+        max: usize,
+    },
     #[error("Disk {index} needs a path for its frozen layer")]
     NoFrozenPath { index: usize },
     #[error("Cannot move the vsock socket {path} aside")]
@@ -95,6 +101,24 @@ impl DeviceControl {
             serial: lock(&self.serial).save(),
             virtio: self.transports.iter().map(|t| lock(t).save()).collect(),
         }
+    }
+
+    /// Calls `f` on writable disk `index` (None: no such disk), holding
+    /// its device's lock, as guest I/O does.
+    fn with_disk<R>(&self, index: usize, f: impl FnOnce(&mut disk::Disk) -> R) -> Option<R> {
+        let mut i = 0;
+        for t in &self.transports {
+            let t = lock(t);
+            let mut dev = t.device().lock().unwrap_or_else(|e| e.into_inner());
+            if dev.device_type() != virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK {
+                continue;
+            }
+            if i == index {
+                return dev.host_disk().map(f);
+            }
+            i += 1;
+        }
+        None
     }
 
     /// Calls `f` on each block device's writable disk, with its disk index.
@@ -194,6 +218,59 @@ impl ForkSource {
         &self.handle
     }
 
+    /// Folds `layers` (frozen layers directly under the tops of this vm's
+    /// disks, see [`crate::fold::plan`]) into the tops while the guest
+    /// runs: each copy step holds the disk's device lock (guest I/O waits
+    /// for at most [`disk::FOLD_STEP`] bytes of copying), the header switch
+    /// too. Forks wait meanwhile. A disk that fails keeps its old chain.
+    pub fn fold_layers(
+        &self,
+        layers: &[PathBuf],
+    ) -> Result<Vec<crate::fold::FoldReport>, crate::fold::FoldError> {
+        use crate::fold::{FoldError, FoldReport};
+        let _busy = lock(&self.busy);
+        let devices = lock(&self.devices);
+        let mut chains = Vec::new();
+        let _ = devices.for_each_disk(|index, d| {
+            if d.writable() {
+                chains.push((index, d.layer_paths()));
+            }
+            Ok(())
+        });
+        if chains.is_empty() {
+            return Err(FoldError::NoDisk);
+        }
+        let plan = crate::fold::plan(&chains, layers)?;
+        let mut reports = Vec::new();
+        for (index, k) in plan {
+            let t0 = Instant::now();
+            let fail = |source| FoldError::Disk { index, source };
+            let mut fold = devices
+                .with_disk(index, |d| d.fold_start(k))
+                .ok_or(FoldError::NoDisk)?
+                .map_err(fail)?;
+            while devices
+                .with_disk(index, |d| d.fold_step(&mut fold, disk::FOLD_STEP))
+                .ok_or(FoldError::NoDisk)?
+                .map_err(fail)?
+            {}
+            // What stays below is opened off the device lock.
+            fold.open_rest().map_err(fail)?;
+            let done = devices
+                .with_disk(index, |d| d.fold_finish(fold))
+                .ok_or(FoldError::NoDisk)?
+                .map_err(fail)?;
+            reports.push(FoldReport {
+                disk: index,
+                folded: done.folded,
+                bytes_copied: done.bytes_copied,
+                depth: done.depth,
+                ms: t0.elapsed().as_secs_f64() * 1000.0,
+            });
+        }
+        Ok(reports)
+    }
+
     /// Step 1 of the fork path. `frozen_path(i)` names where writable disk
     /// `i`'s top layer goes. On error the vm runs on unchanged.
     pub fn freeze(
@@ -201,6 +278,18 @@ impl ForkSource {
         frozen_path: impl Fn(usize) -> Option<PathBuf>,
     ) -> Result<Frozen<'_>, ForkError> {
         let busy = self.busy.try_lock().map_err(|_| ForkError::Busy)?;
+        // A fork adds a layer to every writable disk: refuse before pausing
+        // if one would pass the limit.
+        lock(&self.devices).for_each_disk(|index, d| {
+            if d.depth() >= disk::MAX_CHAIN_DEPTH {
+                return Err(ForkError::ChainTooDeep {
+                    index,
+                    depth: d.depth(),
+                    max: disk::MAX_CHAIN_DEPTH,
+                });
+            }
+            Ok(())
+        })?;
         let started = Instant::now();
         let started_ns = monotonic_ns();
         self.handle.pause().map_err(ForkError::Pause)?;

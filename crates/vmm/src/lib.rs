@@ -21,6 +21,7 @@ pub mod config;
 pub mod devices;
 pub mod dirty;
 pub mod exit;
+pub mod fold;
 pub mod fork;
 pub mod layer;
 pub mod memory;

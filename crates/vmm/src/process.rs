@@ -297,6 +297,15 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     Err(e) => Reply::error(e),
                 }
             }
+            Request::FoldLayers { layers } => match source.fold_layers(&layers) {
+                Ok(fold) => Reply {
+                    pid: std::process::id(),
+                    name: opts.name.clone(),
+                    fold,
+                    ..Reply::default()
+                },
+                Err(e) => Reply::error(format!("cannot fold layers: {}", chain(&e))),
+            },
             Request::Rollback { .. } | Request::Drop => {
                 Reply::error("this is a running vm, not a checkpoint")
             }
