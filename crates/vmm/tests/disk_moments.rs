@@ -49,6 +49,15 @@ fn identity(dir: &Path, name: &str) -> Identity {
     }
 }
 
+/// Held while this process forks a VMM, and while it has a disk open
+/// itself: a VMM forked meanwhile would inherit the open layers' fds, and
+/// with them their locks, for as long as it runs.
+static FORKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn forking() -> std::sync::MutexGuard<'static, ()> {
+    FORKING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Boots blkio on `top` as `name`.
 fn boot(dir: &Path, name: &str, top: &Path) -> (VmmProcess, Console) {
     let console = Console::in_dir(dir, name);
@@ -57,7 +66,10 @@ fn boot(dir: &Path, name: &str, top: &Path) -> (VmmProcess, Console) {
         path: top.into(),
         read_only: false,
     }];
-    let p = VmmProcess::spawn(dir, name, move || vmm::build(&cfg).expect("build"));
+    let p = {
+        let _forking = forking();
+        VmmProcess::spawn(dir, name, move || vmm::build(&cfg).expect("build"))
+    };
     console.wait_nth("READY", 1);
     let disk = console.wait_nth("DISK", 1);
     assert_eq!(disk, format!("DISK {}", (DISK_MIB << 20) / 512));
@@ -454,6 +466,7 @@ fn test_a_booted_vm_folds_a_layer_below_its_top() {
     let dir = scratch("diskm", "bootfold");
     let mid = disk_chain(&dir);
     // The guest's pattern for block 9, seed 3, written below its top.
+    let forking = forking();
     let d = disk::Disk::open(&mid, true).expect("open mid");
     let mut data = Vec::with_capacity(4096);
     for o in (9 * 4096u64..10 * 4096).step_by(8) {
@@ -462,6 +475,7 @@ fn test_a_booted_vm_folds_a_layer_below_its_top() {
     d.write_at(&data, 9 * 4096).expect("write");
     d.flush().expect("flush");
     drop(d);
+    drop(forking);
     let top = dir.join("vm-top.qcow2");
     disk::create_overlay(&mid, &top).expect("top");
     let (p, c) = boot(&dir, "vm", &top);
