@@ -39,6 +39,8 @@ use crate::vcpu::Vcpu;
 use crate::vm::Vm;
 use crate::vstate::{prepare_machine, ControlError, VmmHandle};
 
+pub use crate::trace::{monotonic_ns, trace};
+
 /// Errors on the fork path.
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {
@@ -1042,27 +1044,6 @@ pub fn reap(pid: u32, timeout: Duration) {
             // SAFETY: as above, blocking.
             unsafe { libc::waitpid(pid, &mut status, 0) };
         });
-}
-
-/// CLOCK_MONOTONIC in ns: the same clock in every process, so a forked
-/// process can say when it started running and the parent can tell how
-/// long the guest was paused.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: fills a valid timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// Logs how long a step of the fork path took since `t0` (TINE_LOG=debug).
-pub fn trace(t0: Instant, what: &str) {
-    tracing::debug!(
-        "fork path: {what} at {:.3} ms",
-        t0.elapsed().as_secs_f64() * 1000.0
-    );
 }
 
 /// Closes every fd of this process except 0, 1, 2 and `keep`.

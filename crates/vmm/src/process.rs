@@ -18,6 +18,9 @@ use crate::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
 use crate::exit::GuestExit;
 use crate::fork::{self, ForkError, ForkParts, ForkSource, Offspring, Spawned};
 use crate::memory::RamBacking;
+
+pub use crate::layer::LayerMode;
+pub use crate::trace::chain;
 use crate::{snapshot_dir, RunError, Vmm};
 
 /// How long a forked vm may take to report that it runs.
@@ -327,15 +330,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-/// How a memory layer is written.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LayerMode {
-    /// All populated non-zero memory.
-    Full,
-    /// The pages dirtied since this base.
-    Diff(String),
-}
-
 /// `SnapshotLayer`: the fork path with a writer that writes a memory
 /// layer; the continuation rebases its dirty set if asked.
 fn snapshot_layer(
@@ -631,18 +625,6 @@ fn children_running(mut spawned: Vec<Spawned>, t0: Instant) -> Result<Reply, For
     }
     reply.all_children_ms = Some(ms(t0.elapsed()));
     Ok(reply)
-}
-
-/// An error and its causes on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// The parent's own identity, for its continuation (its disks are the
