@@ -50,6 +50,8 @@ pub enum ForkError {
     Pause(#[source] ControlError),
     #[error("Cannot park the device thread")]
     Park(#[from] ParkError),
+    #[error("Cannot save the device state: {0}")]
+    DeviceState(String),
     #[error("Cannot freeze disk {index}")]
     Disk {
         index: usize,
@@ -98,11 +100,16 @@ pub struct DeviceControl {
 }
 
 impl DeviceControl {
-    fn save(&self) -> DeviceStates {
-        DeviceStates {
-            serial: lock(&self.serial).save(),
-            virtio: self.transports.iter().map(|t| lock(t).save()).collect(),
-        }
+    fn save(&self) -> Result<DeviceStates, ForkError> {
+        let state = |e: &dyn std::fmt::Display| ForkError::DeviceState(e.to_string());
+        Ok(DeviceStates {
+            serial: lock(&self.serial).save().map_err(|e| state(&e))?,
+            virtio: self
+                .transports
+                .iter()
+                .map(|t| lock(t).save().map_err(|e| state(&e)))
+                .collect::<Result<_, _>>()?,
+        })
     }
 
     /// Calls `f` on writable disk `index` (None: no such disk), holding
@@ -306,8 +313,9 @@ impl ForkSource {
                 // it with the memory's bitmaps.
                 self.handle.collect_dirty().map_err(ForkError::Pause)?;
                 Ok(m)
-            });
-        let machine = match saved {
+            })
+            .and_then(|m| Ok((m, devices.save()?)));
+        let (machine, device_states) = match saved {
             Ok(m) => m,
             Err(e) => {
                 devices.park.unpark();
@@ -318,7 +326,7 @@ impl ForkSource {
         };
         let moment = Moment {
             machine,
-            devices: devices.save(),
+            devices: device_states,
             mem_mib: self.config.mem_mib,
             layout: DeviceLayout::of(&self.config),
         };

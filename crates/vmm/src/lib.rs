@@ -27,6 +27,7 @@ pub mod layer;
 pub mod memory;
 pub mod moment;
 pub mod pagein;
+pub mod persist;
 pub mod process;
 pub mod snapshot_dir;
 pub mod state;
