@@ -214,7 +214,7 @@ impl Disk {
     pub fn fold_finish(&mut self, mut fold: Fold) -> Result<FoldDone, DiskError> {
         // A guest write since the last step only allocated in the top, but
         // nothing may be left that only L1..Lk hold.
-        while self.fold_step(&mut fold, u64::MAX)? {}
+        while self.fold_step(&mut fold, FOLD_STEP)? {}
         fold.open_rest()?;
         let top_path = self.layers[0].path.clone();
         let top_file = self.layers[0].file();
