@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] = &["counter", "memtouch"];
+const GUESTS: &[&str] = &["counter", "memtouch", "blkio"];
 
 fn main() {
     let manifest = PathBuf::from(env("CARGO_MANIFEST_DIR"));

@@ -14,6 +14,11 @@ pub const COUNTER: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/counter"));
 /// `sum <MiB>` and `ping` on the serial port.
 pub const MEMTOUCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/memtouch"));
 
+/// `blkio`: prints `READY` and `DISK <sectors>`, then serves
+/// `write <block> [seed]`, `read <block>`, `flush` and `ping` on the
+/// serial port, on the first virtio-blk device.
+pub const BLKIO: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/blkio"));
+
 /// Path of the built `counter` ELF (valid on the build machine).
 pub fn counter_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/counter"))
@@ -24,17 +29,24 @@ pub fn memtouch_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/memtouch"))
 }
 
-/// The guest ELF image called `name` (`"counter"` or `"memtouch"`).
+/// Path of the built `blkio` ELF (valid on the build machine).
+pub fn blkio_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/blkio"))
+}
+
+/// The guest ELF image called `name` (`"counter"`, `"memtouch"` or
+/// `"blkio"`).
 pub fn by_name(name: &str) -> Option<&'static [u8]> {
     match name {
         "counter" => Some(COUNTER),
         "memtouch" => Some(MEMTOUCH),
+        "blkio" => Some(BLKIO),
         _ => None,
     }
 }
 
 /// Names accepted by [`by_name`].
-pub const NAMES: &[&str] = &["counter", "memtouch"];
+pub const NAMES: &[&str] = &["counter", "memtouch", "blkio"];
 
 #[cfg(test)]
 mod tests {

@@ -47,15 +47,16 @@ use imago::file::File as ImagoFile;
 use imago::qcow2::Qcow2;
 use imago::raw::Raw;
 use imago::{
-    DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, ShallowMapping, Storage,
-    StorageOpenOptions,
+    DenyImplicitOpenGate, FormatAccess, FormatDriverBuilder, ShallowMapping, StorageOpenOptions,
 };
 
+mod fold;
 mod overlay;
 
+pub use fold::{Fold, FoldDone, FOLD_STEP};
 pub use overlay::create_overlay;
 
-/// The deepest backing chain we open. Each layer costs two file descriptors.
+/// The deepest backing chain we open. Each open layer costs one file descriptor.
 pub const MAX_CHAIN_DEPTH: usize = 256;
 
 const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
@@ -421,6 +422,29 @@ fn open_ro(path: &Path, referenced_by: Option<&Path>) -> Result<StdFile, DiskErr
         })
 }
 
+/// Opens a top layer for writing; no permission is [`DiskError::ReadOnly`].
+fn open_rw(path: &Path) -> Result<StdFile, DiskError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => DiskError::Missing {
+                path: path.into(),
+                referenced_by: None,
+            },
+            io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem => {
+                DiskError::ReadOnly { path: path.into() }
+            }
+            _ => DiskError::Io {
+                path: path.into(),
+                op: "open",
+                source: e,
+            },
+        })
+}
+
 /// Take an advisory lock, `exclusive` for the writable top, shared otherwise.
 ///
 /// Non-blocking, but retried for a short while: a process forked by another thread of ours
@@ -460,8 +484,52 @@ struct Layer {
     path: PathBuf,
     format: Format,
     virtual_size: u64,
-    /// Holds the advisory lock for as long as the disk is open.
-    lock: StdFile,
+    /// The layer's one open file, which holds its advisory lock.
+    fd: LayerFd,
+}
+
+/// Who owns a layer's file: the layer (a walked chain), or imago, to which
+/// [`Disk::open`] lends it so each layer costs one fd, not two.
+enum LayerFd {
+    Own(StdFile),
+    /// Owned by the imago driver of the same [`Disk`], open as long as it.
+    Lent(std::os::fd::RawFd),
+}
+
+impl Layer {
+    /// The layer's file, for stat, flock and fsync.
+    fn file(&self) -> std::mem::ManuallyDrop<StdFile> {
+        use std::os::fd::FromRawFd;
+        let fd = match &self.fd {
+            LayerFd::Own(f) => f.as_raw_fd(),
+            LayerFd::Lent(fd) => *fd,
+        };
+        // SAFETY: the fd is open for as long as this layer is: owned by it,
+        // or by the imago driver of the same Disk, which drops no layer
+        // file before the Disk. ManuallyDrop never closes it.
+        std::mem::ManuallyDrop::new(unsafe { StdFile::from_raw_fd(fd) })
+    }
+
+    /// Hands the file to imago; the layer keeps its number.
+    fn lend(&mut self) -> Option<StdFile> {
+        match std::mem::replace(&mut self.fd, LayerFd::Lent(-1)) {
+            LayerFd::Own(f) => {
+                self.fd = LayerFd::Lent(f.as_raw_fd());
+                Some(f)
+            }
+            lent => {
+                self.fd = lent;
+                None
+            }
+        }
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.file()
+            .metadata()
+            .map(|m| m.blocks() * 512)
+            .unwrap_or(0)
+    }
 }
 
 /// An open chain of layers. Reads fall through to the first layer that has the data;
@@ -507,13 +575,14 @@ fn imago_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(io::Error) -> 
 
 fn open_layer(
     path: &Path,
+    file: StdFile,
     format: Format,
     writable: bool,
     backing: Option<FormatAccess<ImagoFile>>,
 ) -> Result<FormatAccess<ImagoFile>, DiskError> {
     // We open the file ourselves: `DenyImplicitOpenGate` lets imago open nothing by name.
     let opts = StorageOpenOptions::new().write(writable).filename(path);
-    let file = <ImagoFile as Storage>::open(opts.clone()).map_err(imago_err(path, "open"))?;
+    let file = ImagoFile::from_open_file(file, opts).map_err(imago_err(path, "open"))?;
     let opts = StorageOpenOptions::new().write(writable);
     match format {
         Format::Raw => {
@@ -536,36 +605,38 @@ fn open_layer(
     }
 }
 
+/// Opens walked `layers` through imago, bottom-up, lending each its file.
+fn open_chain(layers: &mut [Layer], writable: bool) -> Result<FormatAccess<ImagoFile>, DiskError> {
+    let mut below: Option<FormatAccess<ImagoFile>> = None;
+    for (i, l) in layers.iter_mut().enumerate().rev() {
+        let w = writable && i == 0;
+        let Some(file) = l.lend() else {
+            return Err(DiskError::Unsupported {
+                path: l.path.clone(),
+                what: "layer opened twice".into(),
+            });
+        };
+        below = Some(open_layer(&l.path, file, l.format, w, below.take())?);
+    }
+    below.ok_or_else(|| DiskError::Missing {
+        path: PathBuf::new(),
+        referenced_by: None,
+    })
+}
+
 impl Disk {
     /// Open the chain whose top layer is `path`. With `writable`, the top layer is opened
     /// for writing and every layer below it read-only; nothing below the top is ever
     /// written. The whole chain is validated before anything is opened for writing, so a
     /// failed open changes nothing on disk.
     pub fn open(path: &Path, writable: bool) -> Result<Disk, DiskError> {
-        // 1. Walk down the chain read-only, validating and locking each layer.
-        let layers = walk_chain(path, writable, true)?;
+        // 1. Walk down the chain, validating and locking each layer (only a writable
+        //    top is opened for writing).
+        let mut layers = walk_chain(path, writable, true)?;
 
-        // 2. Open bottom-up through imago, each layer handed to the one above explicitly.
-        let mut below: Option<FormatAccess<ImagoFile>> = None;
-        for (i, l) in layers.iter().enumerate().rev() {
-            let w = writable && i == 0;
-            let fa = open_layer(&l.path, l.format, w, below.take()).map_err(|e| match e {
-                DiskError::Io { source, path, .. }
-                    if w && matches!(
-                        source.kind(),
-                        io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
-                    ) =>
-                {
-                    DiskError::ReadOnly { path }
-                }
-                e => e,
-            })?;
-            below = Some(fa);
-        }
-        let top = below.ok_or_else(|| DiskError::Missing {
-            path: path.into(),
-            referenced_by: None,
-        })?;
+        // 2. Open bottom-up through imago, each layer handed to the one above explicitly,
+        //    on the file the walk opened (one fd per layer).
+        let top = open_chain(&mut layers, writable)?;
         let size = top.size();
         Ok(Disk {
             top,
@@ -693,12 +764,23 @@ impl Disk {
             });
         }
         fs::rename(&top, frozen).map_err(io_err(&top, "rename"))?;
-        let file = &self.layers[0].lock;
-        let meta = file.metadata().map_err(io_err(frozen, "stat"))?;
-        let mode = meta.permissions().mode();
-        fs::set_permissions(frozen, fs::Permissions::from_mode(mode & !0o222))
-            .map_err(io_err(frozen, "chmod a-w"))?;
-        try_flock(frozen, file, false)?;
+        let file = &*self.layers[0].file();
+        // Either frozen whole or not at all: a failure below moves it back.
+        let res = file
+            .metadata()
+            .map_err(io_err(frozen, "stat"))
+            .and_then(|meta| {
+                let mode = meta.permissions().mode();
+                fs::set_permissions(frozen, fs::Permissions::from_mode(mode & !0o222))
+                    .map_err(io_err(frozen, "chmod a-w"))?;
+                try_flock(frozen, file, false).inspect_err(|_| {
+                    let _ = fs::set_permissions(frozen, fs::Permissions::from_mode(mode));
+                })
+            });
+        if let Err(e) = res {
+            let _ = fs::rename(frozen, &top);
+            return Err(e);
+        }
         self.layers[0].path = frozen.into();
         self.writable = false;
         Ok(())
@@ -708,7 +790,10 @@ impl Disk {
     /// [`Disk::freeze_to`], off the pause path).
     pub fn sync_top(&self) -> Result<(), DiskError> {
         let p = &self.layers[0].path;
-        self.layers[0].lock.sync_all().map_err(io_err(p, "fsync"))?;
+        self.layers[0]
+            .file()
+            .sync_all()
+            .map_err(io_err(p, "fsync"))?;
         if let Ok(dir) = StdFile::open(p.parent().unwrap_or(Path::new("."))) {
             dir.sync_all()
                 .map_err(io_err(p, "fsync of its directory"))?;
@@ -723,13 +808,13 @@ impl Disk {
         let frozen = self.layers[0].path.clone();
         fs::rename(&frozen, top).map_err(io_err(&frozen, "rename"))?;
         let meta = self.layers[0]
-            .lock
+            .file()
             .metadata()
             .map_err(io_err(top, "stat"))?;
         let mode = meta.permissions().mode();
         fs::set_permissions(top, fs::Permissions::from_mode(mode | 0o200))
             .map_err(io_err(top, "chmod u+w"))?;
-        try_flock(top, &self.layers[0].lock, true)?;
+        try_flock(top, &self.layers[0].file(), true)?;
         self.layers[0].path = top.into();
         self.writable = true;
         Ok(())
@@ -796,6 +881,16 @@ impl Disk {
         Ok((false, max))
     }
 
+    /// Layers in the chain, top included.
+    pub fn depth(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Paths of the chain's layers, top first.
+    pub fn layer_paths(&self) -> Vec<PathBuf> {
+        self.layers.iter().map(|l| l.path.clone()).collect()
+    }
+
     /// The chain, top layer first, with current on-host sizes.
     pub fn chain(&self) -> Vec<LayerInfo> {
         self.layers
@@ -804,7 +899,7 @@ impl Disk {
                 path: l.path.clone(),
                 format: l.format,
                 virtual_size: l.virtual_size,
-                allocated_bytes: l.lock.metadata().map(|m| m.blocks() * 512).unwrap_or(0),
+                allocated_bytes: l.allocated_bytes(),
             })
             .collect()
     }
@@ -819,7 +914,7 @@ pub fn chain(path: &Path) -> Result<Vec<LayerInfo>, DiskError> {
             path: l.path.clone(),
             format: l.format,
             virtual_size: l.virtual_size,
-            allocated_bytes: l.lock.metadata().map(|m| m.blocks() * 512).unwrap_or(0),
+            allocated_bytes: l.allocated_bytes(),
         })
         .collect())
 }
@@ -840,7 +935,13 @@ fn walk_chain(path: &Path, writable: bool, lock: bool) -> Result<Vec<Layer>, Dis
                 max: MAX_CHAIN_DEPTH,
             });
         }
-        let file = open_ro(&lpath, referenced_by.as_deref())?;
+        // The writable top of an open disk is opened read-write here: its
+        // one fd serves the lock and, lent to imago, the I/O.
+        let file = if layers.is_empty() && writable && lock {
+            open_rw(&lpath)?
+        } else {
+            open_ro(&lpath, referenced_by.as_deref())?
+        };
         let meta = file.metadata().map_err(io_err(&lpath, "stat"))?;
         if !meta.is_file() && !meta.file_type().is_block_device() {
             return Err(DiskError::Unsupported {
@@ -892,7 +993,7 @@ fn walk_chain(path: &Path, writable: bool, lock: bool) -> Result<Vec<Layer>, Dis
             path: lpath,
             format: p.format,
             virtual_size: p.virtual_size,
-            lock: file,
+            fd: LayerFd::Own(file),
         });
     }
     Ok(layers)

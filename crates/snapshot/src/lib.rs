@@ -14,8 +14,10 @@ use serde::Serialize;
 
 /// Identifies a tine state blob.
 pub const MAGIC: [u8; 8] = *b"TINESTAT";
-/// Version of the state format written by this build.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the state format written by this build. 2: each virtio
+/// device's own state is typed (`MmioState::device`), where 1 had untyped
+/// JSON or nothing.
+pub const FORMAT_VERSION: u32 = 2;
 /// Largest payload a loader accepts (guards against corrupt lengths).
 pub const MAX_PAYLOAD: u64 = 64 << 20;
 
@@ -123,6 +125,17 @@ mod tests {
             decode::<S>(&bad),
             Err(StateError::Version { found: 99 })
         ));
+        // A state of the previous format is refused by name, not misread.
+        let mut old = bytes.clone();
+        old[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let e = decode::<S>(&old).expect_err("format 1");
+        assert!(matches!(e, StateError::Version { found: 1 }));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "State format version 1 is not supported by this tine (reads version {FORMAT_VERSION}); use the tine that wrote it"
+            )
+        );
         let n = bytes.len();
         bytes[n - 6] ^= 0xff;
         assert!(matches!(decode::<S>(&bytes), Err(StateError::Crc)));

@@ -71,6 +71,11 @@ pub enum Request {
         #[serde(default)]
         working_set_to: Option<PathBuf>,
     },
+    /// Fold `layers` into the vm's top layers while it runs: frozen layers
+    /// directly under the top of each disk that no other chain uses, top-most
+    /// first (refused otherwise). The reply's `fold` says what each disk
+    /// folded; then the host may delete the files.
+    FoldLayers { layers: Vec<PathBuf> },
 }
 
 /// The host side of a vm: what a forked or restored vm gets as its own.
@@ -140,6 +145,9 @@ pub struct Reply {
     /// PageIn: the counters of a lazily woken vm.
     #[serde(default)]
     pub pagein: Option<crate::pagein::PageInStats>,
+    /// FoldLayers: what each disk folded.
+    #[serde(default)]
+    pub fold: Vec<crate::fold::FoldReport>,
 }
 
 impl Reply {

@@ -177,7 +177,7 @@ pub fn restore_prepared(
         }
         None => restore_machine(&config.kvm_device, &mem, &moment.machine)?,
     };
-    crate::fork::trace(t, "machine restored");
+    crate::trace::trace(t, "machine restored");
     let devices = Devices::attach(&vm, &mem, config, Some(&moment.devices))?;
     Ok(Vmm::assemble(
         vm,

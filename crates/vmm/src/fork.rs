@@ -39,6 +39,8 @@ use crate::vcpu::Vcpu;
 use crate::vm::Vm;
 use crate::vstate::{prepare_machine, ControlError, VmmHandle};
 
+pub use crate::trace::{monotonic_ns, trace};
+
 /// Errors on the fork path.
 #[derive(Debug, thiserror::Error)]
 pub enum ForkError {
@@ -48,11 +50,25 @@ pub enum ForkError {
     Pause(#[source] ControlError),
     #[error("Cannot park the device thread")]
     Park(#[from] ParkError),
+    #[error("Cannot save the device state: {0}")]
+    DeviceState(String),
     #[error("Cannot freeze disk {index}")]
     Disk {
         index: usize,
         #[source]
         source: disk::DiskError,
+    },
+    #[error("Cannot create the new top layer of disk {index}")]
+    NewTop {
+        index: usize,
+        #[source]
+        source: disk::DiskError,
+    },
+    #[error("The chain of disk {index} has {depth} layers and a fork, checkpoint or snapshot adds one: the limit is {max}. Fold layers no other vm uses into its top (FoldLayers), after removing the children and checkpoints that keep them")]
+    ChainTooDeep {
+        index: usize,
+        depth: usize,
+        max: usize,
     },
     #[error("Disk {index} needs a path for its frozen layer")]
     NoFrozenPath { index: usize },
@@ -84,11 +100,34 @@ pub struct DeviceControl {
 }
 
 impl DeviceControl {
-    fn save(&self) -> DeviceStates {
-        DeviceStates {
-            serial: lock(&self.serial).save(),
-            virtio: self.transports.iter().map(|t| lock(t).save()).collect(),
+    fn save(&self) -> Result<DeviceStates, ForkError> {
+        let state = |e: &dyn std::fmt::Display| ForkError::DeviceState(e.to_string());
+        Ok(DeviceStates {
+            serial: lock(&self.serial).save().map_err(|e| state(&e))?,
+            virtio: self
+                .transports
+                .iter()
+                .map(|t| lock(t).save().map_err(|e| state(&e)))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// Calls `f` on writable disk `index` (None: no such disk), holding
+    /// its device's lock, as guest I/O does.
+    fn with_disk<R>(&self, index: usize, f: impl FnOnce(&mut disk::Disk) -> R) -> Option<R> {
+        let mut i = 0;
+        for t in &self.transports {
+            let t = lock(t);
+            let mut dev = t.device().lock().unwrap_or_else(|e| e.into_inner());
+            if dev.device_type() != virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK {
+                continue;
+            }
+            if i == index {
+                return dev.host_disk().map(f);
+            }
+            i += 1;
         }
+        None
     }
 
     /// Calls `f` on each block device's writable disk, with its disk index.
@@ -188,6 +227,59 @@ impl ForkSource {
         &self.handle
     }
 
+    /// Folds `layers` (frozen layers directly under the tops of this vm's
+    /// disks, see [`crate::fold::plan`]) into the tops while the guest
+    /// runs: each copy step holds the disk's device lock (guest I/O waits
+    /// for at most [`disk::FOLD_STEP`] bytes of copying), the header switch
+    /// too. Forks wait meanwhile. A disk that fails keeps its old chain.
+    pub fn fold_layers(
+        &self,
+        layers: &[PathBuf],
+    ) -> Result<Vec<crate::fold::FoldReport>, crate::fold::FoldError> {
+        use crate::fold::{FoldError, FoldReport};
+        let _busy = lock(&self.busy);
+        let devices = lock(&self.devices);
+        let mut chains = Vec::new();
+        let _ = devices.for_each_disk(|index, d| {
+            if d.writable() {
+                chains.push((index, d.layer_paths()));
+            }
+            Ok(())
+        });
+        if chains.is_empty() {
+            return Err(FoldError::NoDisk);
+        }
+        let plan = crate::fold::plan(&chains, layers)?;
+        let mut reports = Vec::new();
+        for (index, k) in plan {
+            let t0 = Instant::now();
+            let fail = |source| FoldError::Disk { index, source };
+            let mut fold = devices
+                .with_disk(index, |d| d.fold_start(k))
+                .ok_or(FoldError::NoDisk)?
+                .map_err(fail)?;
+            while devices
+                .with_disk(index, |d| d.fold_step(&mut fold, disk::FOLD_STEP))
+                .ok_or(FoldError::NoDisk)?
+                .map_err(fail)?
+            {}
+            // What stays below is opened off the device lock.
+            fold.open_rest().map_err(fail)?;
+            let done = devices
+                .with_disk(index, |d| d.fold_finish(fold))
+                .ok_or(FoldError::NoDisk)?
+                .map_err(fail)?;
+            reports.push(FoldReport {
+                disk: index,
+                folded: done.folded,
+                bytes_copied: done.bytes_copied,
+                depth: done.depth,
+                ms: t0.elapsed().as_secs_f64() * 1000.0,
+            });
+        }
+        Ok(reports)
+    }
+
     /// Step 1 of the fork path. `frozen_path(i)` names where writable disk
     /// `i`'s top layer goes. On error the vm runs on unchanged.
     pub fn freeze(
@@ -195,6 +287,18 @@ impl ForkSource {
         frozen_path: impl Fn(usize) -> Option<PathBuf>,
     ) -> Result<Frozen<'_>, ForkError> {
         let busy = self.busy.try_lock().map_err(|_| ForkError::Busy)?;
+        // A fork adds a layer to every writable disk: refuse before pausing
+        // if one would pass the limit.
+        lock(&self.devices).for_each_disk(|index, d| {
+            if d.depth() >= disk::MAX_CHAIN_DEPTH {
+                return Err(ForkError::ChainTooDeep {
+                    index,
+                    depth: d.depth(),
+                    max: disk::MAX_CHAIN_DEPTH,
+                });
+            }
+            Ok(())
+        })?;
         let started = Instant::now();
         let started_ns = monotonic_ns();
         self.handle.pause().map_err(ForkError::Pause)?;
@@ -209,8 +313,9 @@ impl ForkSource {
                 // it with the memory's bitmaps.
                 self.handle.collect_dirty().map_err(ForkError::Pause)?;
                 Ok(m)
-            });
-        let machine = match saved {
+            })
+            .and_then(|m| Ok((m, devices.save()?)));
+        let (machine, device_states) = match saved {
             Ok(m) => m,
             Err(e) => {
                 devices.park.unpark();
@@ -221,7 +326,7 @@ impl ForkSource {
         };
         let moment = Moment {
             machine,
-            devices: devices.save(),
+            devices: device_states,
             mem_mib: self.config.mem_mib,
             layout: DeviceLayout::of(&self.config),
         };
@@ -248,6 +353,7 @@ impl ForkSource {
             started,
             started_ns,
             thawed: false,
+            new_tops: Vec::new(),
             dirty: self.handle.dirty_tracking(),
             rebase: None,
         };
@@ -423,6 +529,14 @@ impl Standby {
         self.spawned.pid
     }
 
+    /// Calls it off: its pipe closes, it exits, and its status is
+    /// collected (a process that goes on must not keep it as a zombie).
+    pub fn cancel(self) {
+        let Standby { spawned, handover } = self;
+        drop(handover);
+        spawned.reap(Duration::from_secs(1));
+    }
+
     /// Sends `data` to a standby made by [`spawn_standby`]; it then runs
     /// its body.
     pub fn start(self, data: &[u8]) -> Result<Spawned, ForkError> {
@@ -505,6 +619,9 @@ pub struct Frozen<'a> {
     started: Instant,
     started_ns: u64,
     thawed: bool,
+    /// New top layers opened by [`Frozen::prepare_tops`] (disk index,
+    /// disk), installed by [`Frozen::resume_here`].
+    new_tops: Vec<(usize, disk::Disk)>,
     /// Dirty tracking at the moment.
     dirty: DirtyTracking,
     /// The continuation's new dirty base, if the moment is being stored.
@@ -542,6 +659,23 @@ pub struct Spawned {
 }
 
 impl Spawned {
+    /// Collects the process's exit status so it does not linger as a
+    /// zombie of this one: a zygote or writer exits right after its
+    /// report, so this waits up to `timeout` for it, then leaves the
+    /// wait to a thread. Only for a process this one forked.
+    pub fn reap(&self, timeout: Duration) {
+        reap(self.pid, timeout)
+    }
+
+    /// Kills the process and collects its status (see [`Spawned::reap`]).
+    pub fn kill_and_reap(&self) {
+        // SAFETY: kill(2) of a process this one forked and has not reaped.
+        unsafe {
+            libc::kill(self.pid as libc::pid_t, libc::SIGKILL);
+        }
+        self.reap(Duration::from_secs(1));
+    }
+
     /// Waits for the process to report ready; returns its detail line.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<String, ForkError> {
         let fd = self.report.get_ref().as_raw_fd();
@@ -697,7 +831,50 @@ impl Frozen<'_> {
     }
 
     fn thaw_in_place(&mut self) -> Result<(), ForkError> {
+        self.drop_new_tops();
         self.go_on(|f, d| d.thaw(&f.top)).map(|_| ())
+    }
+
+    /// For a vm that goes on in this process: creates and opens a new top
+    /// layer on each frozen disk, so that [`Frozen::resume_here`] cannot
+    /// fail on the disks. Call before any process may stack on the frozen
+    /// layers; on error nothing of it is left and the freeze can still
+    /// be undone with [`Frozen::thaw`].
+    pub fn prepare_tops(&mut self) -> Result<(), ForkError> {
+        let mut failed = None;
+        for f in &self.disks {
+            let res = disk::create_overlay(&f.frozen, &f.top).and_then(|()| {
+                disk::Disk::open(&f.top, true).inspect_err(|_| {
+                    let _ = std::fs::remove_file(&f.top);
+                })
+            });
+            match res {
+                Ok(d) => self.new_tops.push((f.index, d)),
+                Err(source) => {
+                    failed = Some(ForkError::NewTop {
+                        index: f.index,
+                        source,
+                    });
+                    break;
+                }
+            }
+        }
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                self.drop_new_tops();
+                Err(e)
+            }
+        }
+    }
+
+    /// Closes and removes the new tops of [`Frozen::prepare_tops`].
+    fn drop_new_tops(&mut self) {
+        for (_, d) in self.new_tops.drain(..) {
+            let path = d.path().to_path_buf();
+            drop(d);
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     /// Ends the freeze in this process: `per_disk` on each frozen disk,
@@ -724,12 +901,19 @@ impl Frozen<'_> {
 
     /// Step 3 for a vm with private memory, which goes on in this process
     /// (its forks got copy-on-write views of the frozen moment): each
-    /// frozen disk gets a new top layer here, sockets move back, devices
-    /// and vCPUs go on. The frozen layers are fsynced after the resume.
+    /// frozen disk gets its new top layer from [`Frozen::prepare_tops`]
+    /// (which must have succeeded), sockets move back, devices and vCPUs
+    /// go on. The frozen layers are fsynced after the resume.
     pub fn resume_here(mut self) -> Result<(), ForkError> {
+        let mut tops = std::mem::take(&mut self.new_tops);
         let disks = self.go_on(|f, d| {
-            disk::create_overlay(&f.frozen, &f.top)?;
-            *d = disk::Disk::open(&f.top, true)?;
+            match tops.iter().position(|(i, _)| *i == f.index) {
+                Some(k) => *d = tops.swap_remove(k).1,
+                None => {
+                    disk::create_overlay(&f.frozen, &f.top)?;
+                    *d = disk::Disk::open(&f.top, true)?;
+                }
+            }
             Ok(())
         })?;
         for f in &disks {
@@ -843,25 +1027,31 @@ fn child_main(
     unsafe { libc::_exit(code) }
 }
 
-/// CLOCK_MONOTONIC in ns: the same clock in every process, so a forked
-/// process can say when it started running and the parent can tell how
-/// long the guest was paused.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: fills a valid timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// Logs how long a step of the fork path took since `t0` (TINE_LOG=debug).
-pub fn trace(t0: Instant, what: &str) {
-    tracing::debug!(
-        "fork path: {what} at {:.3} ms",
-        t0.elapsed().as_secs_f64() * 1000.0
-    );
+/// Collects the exit status of `pid`, a child of this process (see
+/// [`Spawned::reap`]).
+pub fn reap(pid: u32, timeout: Duration) {
+    let pid = pid as libc::pid_t;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid on one child with a valid status pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r != 0 {
+            // Reaped, or not (or no longer) a child of this process.
+            return;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = std::thread::Builder::new()
+        .name("reaper".into())
+        .spawn(move || {
+            let mut status = 0;
+            // SAFETY: as above, blocking.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+        });
 }
 
 /// Closes every fd of this process except 0, 1, 2 and `keep`.

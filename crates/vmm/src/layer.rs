@@ -32,6 +32,15 @@ use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use crate::dirty::{PageBitmap, PAGE_SIZE};
 use crate::memory::GuestMemoryMmap;
 
+/// How a memory layer is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayerMode {
+    /// All populated non-zero memory.
+    Full,
+    /// The pages dirtied since this base.
+    Diff(String),
+}
+
 /// Largest window (record).
 pub const MAX_WINDOW: usize = 1 << 20;
 const MAGIC: &[u8; 8] = b"TINELAYR";

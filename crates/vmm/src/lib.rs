@@ -21,14 +21,18 @@ pub mod config;
 pub mod devices;
 pub mod dirty;
 pub mod exit;
+pub mod fold;
 pub mod fork;
 pub mod layer;
 pub mod memory;
 pub mod moment;
 pub mod pagein;
+pub mod persist;
 pub mod process;
 pub mod snapshot_dir;
 pub mod state;
+pub mod title;
+pub mod trace;
 mod uffd;
 pub mod vcpu;
 pub mod vm;
@@ -53,7 +57,7 @@ pub use builder::{build, restore, BuildError};
 pub use config::VmConfig;
 pub use moment::Moment;
 pub use state::{FpuState, MachineState, VcpuState, VmState, XsaveState};
-pub use vstate::{ControlError, RunningVmm, VmmHandle};
+pub use vstate::{ControlError, RunningVcpus, VmmHandle};
 
 /// A built vm, ready to run.
 pub struct Vmm {
@@ -197,7 +201,7 @@ impl Vmm {
                 .set_dirty_logging(&self.mem, true)
                 .map_err(RunError::DirtyTracking)?;
         }
-        let running = RunningVmm::start(
+        let running = RunningVcpus::start(
             self.vm, self.mem, self.vcpus, self.pio, self.mmio, exit, paused,
         )?;
         running.handle().set_dirty_tracking(self.dirty);
@@ -214,12 +218,41 @@ impl Vmm {
             tap_fds,
             self.pagein,
         );
-        Ok(running.with_fork_source(Arc::new(source)))
+        Ok(RunningVmm {
+            vcpus: running,
+            source: Arc::new(source),
+        })
     }
 
     /// The shared exit notifier (devices report through it).
     pub fn exit_notifier(&self) -> &Arc<ExitNotifier> {
         &self.exit
+    }
+}
+
+/// A vm started by [`Vmm::start`]: its vCPUs run, and it can be forked.
+pub struct RunningVmm {
+    vcpus: RunningVcpus,
+    source: Arc<ForkSource>,
+}
+
+impl RunningVmm {
+    /// A handle to pause, resume and save this vm.
+    pub fn handle(&self) -> VmmHandle {
+        self.vcpus.handle()
+    }
+
+    /// What forks, checkpoints and snapshots of this vm start from.
+    pub fn fork_source(&self) -> Option<Arc<ForkSource>> {
+        Some(self.source.clone())
+    }
+
+    /// Blocks until the vm exits; returns why.
+    pub fn wait(self) -> GuestExit {
+        // Devices and memory must outlive vCPU threads still in KVM_RUN:
+        // the process ends right after this returns.
+        std::mem::forget(self.source);
+        self.vcpus.wait()
     }
 }
 

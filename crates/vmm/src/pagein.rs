@@ -728,7 +728,7 @@ impl Shared {
                 self.fail(format!(
                     "page-in of guest {gpa:#x}..{:#x} failed: {}",
                     gpa + len,
-                    crate::process::chain(e.as_ref())
+                    crate::trace::chain(e.as_ref())
                 ));
                 return;
             }
@@ -849,10 +849,7 @@ impl Shared {
         }
         if let Some(path) = &self.options.working_set_out {
             if let Err(e) = self.working_set().write(path) {
-                tracing::warn!(
-                    "cannot write the working set: {}",
-                    crate::process::chain(&e)
-                );
+                tracing::warn!("cannot write the working set: {}", crate::trace::chain(&e));
             }
         }
     }
@@ -1025,8 +1022,8 @@ impl PageSource for FileSource {
 /// [`crate::Vmm::start`]; for a diff against the stored snapshot, call
 /// [`crate::Vmm::track_dirty`] with its label before it starts.
 pub fn restore_lazy(
-    config: &crate::VmConfig,
-    moment: &crate::Moment,
+    config: &crate::config::VmConfig,
+    moment: &crate::moment::Moment,
     source: Arc<dyn PageSource>,
     options: LazyOptions,
 ) -> Result<crate::Vmm, LazyRestoreError> {

@@ -18,6 +18,9 @@ use crate::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
 use crate::exit::GuestExit;
 use crate::fork::{self, ForkError, ForkParts, ForkSource, Offspring, Spawned};
 use crate::memory::RamBacking;
+
+pub use crate::layer::LayerMode;
+pub use crate::trace::chain;
 use crate::{snapshot_dir, RunError, Vmm};
 
 /// How long a forked vm may take to report that it runs.
@@ -71,6 +74,8 @@ pub fn serve(
     opts: ProcessOptions,
     on_running: impl FnOnce(),
 ) -> Result<GuestExit, ServeError> {
+    // A forked process still shows its parent's name and command line.
+    crate::title::set(&opts.name, None);
     let running = vmm.start_as(opts.start_paused)?;
     if let (Some(path), Some(source)) = (&opts.api_socket, running.fork_source()) {
         let listener = bind(path)?;
@@ -157,7 +162,11 @@ fn wait_closed(conn: &UnixStream) {
 
 fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOptions) {
     for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
+        let Ok(conn) = conn else {
+            // Out of fds (EMFILE) repeats at once: do not spin on it.
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
         let req = match read_request(&conn) {
             Ok(r) => r,
             Err(e) => {
@@ -213,7 +222,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 None,
                 |parts| {
                     Ok(vec![fork::spawn(parts, true, |off| {
-                        template_body(off, &tag, &socket)
+                        template_body(off, &opts.name, &tag, &socket)
                     })?])
                 },
                 |mut t, _| {
@@ -291,6 +300,15 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     Err(e) => Reply::error(e),
                 }
             }
+            Request::FoldLayers { layers } => match source.fold_layers(&layers) {
+                Ok(fold) => Reply {
+                    pid: std::process::id(),
+                    name: opts.name.clone(),
+                    fold,
+                    ..Reply::default()
+                },
+                Err(e) => Reply::error(format!("cannot fold layers: {}", chain(&e))),
+            },
             Request::Rollback { .. } | Request::Drop => {
                 Reply::error("this is a running vm, not a checkpoint")
             }
@@ -310,15 +328,6 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
-}
-
-/// How a memory layer is written.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum LayerMode {
-    /// All populated non-zero memory.
-    Full,
-    /// The pages dirtied since this base.
-    Diff(String),
 }
 
 /// `SnapshotLayer`: the fork path with a writer that writes a memory
@@ -409,9 +418,10 @@ fn freeze_and(
     {
         Ok(f) => f,
         Err(e) => {
-            // Dropping the standby's pipe tells it to exit.
-            drop(standby);
-            return Reply::error(chain(&e));
+            if let Some(s) = standby {
+                s.cancel();
+            }
+            return Reply::error(format!("{}; the vm runs on unchanged", chain(&e)));
         }
     };
     if let Some(b) = rebase {
@@ -425,6 +435,7 @@ fn freeze_and(
     });
     fork::trace(frozen.started(), "frozen");
     let mut others = Vec::new();
+    let mut cont_pid = None;
     let cont = match standby {
         Some(s) => frozen.hand_over(s),
         None => fork::spawn(&frozen.continuation_parts(), true, |off| {
@@ -433,6 +444,7 @@ fn freeze_and(
     }
     .and_then(|mut c| {
         fork::trace(frozen.started(), "continuation forked");
+        cont_pid = Some(c.pid);
         others = start(&frozen.parts())?;
         let running_ns = c.wait_ready(READY_TIMEOUT)?;
         Ok((c, running_ns))
@@ -440,18 +452,17 @@ fn freeze_and(
     let (cont, running_ns) = match cont {
         Ok(c) => c,
         Err(e) => {
-            for o in &others {
-                kill(o.pid);
+            // The vm goes on here: nothing started for it may linger,
+            // running or as a zombie.
+            for pid in others.iter().map(|o| o.pid).chain(cont_pid) {
+                kill(pid);
+                fork::reap(pid, Duration::from_secs(1));
             }
             if let Some((p, aside)) = api_aside {
                 let _ = std::fs::rename(aside, p);
             }
-            let thawed = frozen.thaw();
-            let mut msg = format!("the vm could not continue after the freeze: {}", chain(&e));
-            if let Err(t) = thawed {
-                msg.push_str(&format!("; and it could not be thawed: {}", chain(&t)));
-            }
-            return Reply::error(msg);
+            let msg = format!("the vm could not continue after the freeze: {}", chain(&e));
+            return thawed_error(frozen, msg);
         }
     };
     // The continuation says when its vCPUs started (same clock); the
@@ -501,10 +512,17 @@ fn freeze_in_place(
         .freeze(|i| Some(layers_dir.join(format!("{}-disk{i}-{stamp}.qcow2", opts.name))))
     {
         Ok(f) => f,
-        Err(e) => return Reply::error(chain(&e)),
+        Err(e) => return Reply::error(format!("{}; the vm runs on unchanged", chain(&e))),
     };
     let started = frozen.started();
     fork::trace(started, "frozen");
+    // Everything that can fail on the vm's own disks happens before any
+    // process may stack on its frozen layers: until the zygote exists the
+    // freeze can be undone whole.
+    if let Err(e) = frozen.prepare_tops() {
+        return thawed_error(frozen, chain(&e));
+    }
+    fork::trace(started, "new tops");
     let zygote = fork::spawn(&frozen.parts(), true, |off| {
         let done = start(&off.parts).and_then(|spawned| finish(spawned, t0));
         match done.map(|r| serde_json::to_string(&r)) {
@@ -524,14 +542,7 @@ fn freeze_in_place(
     });
     let mut zygote = match zygote {
         Ok(z) => z,
-        Err(e) => {
-            let thawed = frozen.thaw();
-            let mut msg = chain(&e);
-            if let Err(t) = thawed {
-                msg.push_str(&format!("; and the vm could not be thawed: {}", chain(&t)));
-            }
-            return Reply::error(msg);
-        }
+        Err(e) => return thawed_error(frozen, chain(&e)),
     };
     fork::trace(started, "zygote forked");
     if let Some(b) = rebase {
@@ -550,14 +561,34 @@ fn freeze_in_place(
     }
     let pause_ms = ms(started.elapsed());
     let mut reply = match zygote.wait_ready(WRITER_TIMEOUT) {
-        Ok(json) => serde_json::from_str(&json)
-            .unwrap_or_else(|e| Reply::error(format!("bad report from the zygote: {e}"))),
-        Err(e) => Reply::error(chain(&e)),
+        Ok(json) => {
+            // It exits right after its report; the processes it started
+            // are orphans the system reaps.
+            zygote.reap(Duration::from_secs(1));
+            serde_json::from_str(&json)
+                .unwrap_or_else(|e| Reply::error(format!("bad report from the zygote: {e}")))
+        }
+        Err(e) => {
+            zygote.kill_and_reap();
+            Reply::error(chain(&e))
+        }
     };
     reply.pid = std::process::id();
     reply.name = opts.name.clone();
     reply.pause_ms = Some(pause_ms);
     reply
+}
+
+/// Undoes a freeze that could not go on; the error reply says whether
+/// the vm runs on unchanged.
+fn thawed_error(frozen: fork::Frozen<'_>, msg: String) -> Reply {
+    match frozen.thaw() {
+        Ok(()) => Reply::error(format!("{msg}; the vm runs on unchanged")),
+        Err(t) => Reply::error(format!(
+            "{msg}; and the vm could not be thawed: {}",
+            chain(&t)
+        )),
+    }
 }
 
 fn kill(pid: u32) {
@@ -594,18 +625,6 @@ fn children_running(mut spawned: Vec<Spawned>, t0: Instant) -> Result<Reply, For
     }
     reply.all_children_ms = Some(ms(t0.elapsed()));
     Ok(reply)
-}
-
-/// An error and its causes on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// The parent's own identity, for its continuation (its disks are the
@@ -796,7 +815,8 @@ fn redirect_stdio(log: &Path) -> Result<(), String> {
 
 /// Body of a checkpoint's template: holds the frozen moment and starts the
 /// vm from it again on request (rollback).
-fn template_body(off: &mut Offspring, tag: &str, socket: &Path) -> i32 {
+fn template_body(off: &mut Offspring, name: &str, tag: &str, socket: &Path) -> i32 {
+    crate::title::set(name, Some(&format!("(checkpoint {tag})")));
     // The vms it starts are its children; one replaced by a later rollback
     // must not linger as a zombie: the kernel reaps them.
     // SAFETY: sets the disposition of one signal in this single-threaded

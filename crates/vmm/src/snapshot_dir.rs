@@ -151,10 +151,10 @@ pub fn write_layer(
     dir: &Path,
     name: &str,
     contract: Option<&str>,
-    mode: &crate::process::LayerMode,
+    mode: &crate::layer::LayerMode,
 ) -> Result<crate::layer::LayerInfo, SnapshotDirError> {
+    use crate::layer::LayerMode;
     use crate::layer::{self, Selection};
-    use crate::process::LayerMode;
     start_dir(dir)?;
     let path = dir.join(MEMORY_LAYER);
     let info = match mode {

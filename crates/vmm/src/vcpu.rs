@@ -766,3 +766,20 @@ fn bytes_of_regs(regs: &mut [std::os::raw::c_char]) -> &mut [u8] {
     // pattern is valid for both; the slice borrows `regs` exclusively.
     unsafe { std::slice::from_raw_parts_mut(regs.as_mut_ptr().cast::<u8>(), regs.len()) }
 }
+
+/// A vCPU's whole KVM state ([`Vcpu::save_state`]); a restore loads it
+/// into a fresh vCPU of a prepared VM ([`crate::vstate::prepare_machine`]).
+impl crate::persist::Persist for Vcpu {
+    type State = VcpuState;
+    type ConstructorArgs = Vcpu;
+    type Error = VcpuError;
+
+    fn save(&self) -> Result<VcpuState, VcpuError> {
+        self.save_state()
+    }
+
+    fn restore(fresh: Vcpu, state: &VcpuState) -> Result<Self, VcpuError> {
+        fresh.restore_state(state)?;
+        Ok(fresh)
+    }
+}

@@ -321,3 +321,20 @@ impl Vm {
         Ok(())
     }
 }
+
+/// The VM-level KVM state: irqchip, PIT and kvmclock ([`Vm::save_state`]);
+/// a restore loads it into a fresh VM with its irqchip set up.
+impl crate::persist::Persist for Vm {
+    type State = VmState;
+    type ConstructorArgs = Vm;
+    type Error = VmError;
+
+    fn save(&self) -> Result<VmState, VmError> {
+        self.save_state()
+    }
+
+    fn restore(fresh: Vm, state: &VmState) -> Result<Self, VmError> {
+        fresh.restore_state(state)?;
+        Ok(fresh)
+    }
+}

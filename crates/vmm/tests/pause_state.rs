@@ -290,7 +290,7 @@ fn test_restored_vm_continues_counting() {
     let mut pio = Bus::new();
     pio.insert(Arc::new(Mutex::new(serial)), COM1_PORT, COM1_LEN)
         .expect("serial on bus");
-    let child = RunningVmm::start(
+    let child = vmm::RunningVcpus::start(
         vm,
         mem,
         vcpus,

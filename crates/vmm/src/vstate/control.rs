@@ -70,15 +70,13 @@ pub struct VmmHandle {
     inner: Arc<Inner>,
 }
 
-/// A vm whose vCPU threads are running.
-pub struct RunningVmm {
+/// A vm whose vCPU threads are running (devices are the caller's; a vm
+/// started by [`crate::Vmm::start`] is a [`crate::RunningVmm`]).
+pub struct RunningVcpus {
     handle: VmmHandle,
-    /// What a fork needs besides the vCPUs (devices, config, memory);
-    /// present when the vm was started by [`crate::Vmm::start`].
-    source: Option<Arc<crate::fork::ForkSource>>,
 }
 
-impl RunningVmm {
+impl RunningVcpus {
     /// Starts one thread per vCPU on `vm` and `mem` (a built vm, or one
     /// rebuilt by [`crate::vstate::restore_machine`]). Device threads are
     /// the caller's.
@@ -112,7 +110,6 @@ impl RunningVmm {
         }
         let held_clock = if paused { vm.clock().ok() } else { None };
         Ok(Self {
-            source: None,
             handle: VmmHandle {
                 inner: Arc::new(Inner {
                     vm,
@@ -131,23 +128,12 @@ impl RunningVmm {
         self.handle.clone()
     }
 
-    pub(crate) fn with_fork_source(mut self, source: Arc<crate::fork::ForkSource>) -> Self {
-        self.source = Some(source);
-        self
-    }
-
-    /// What forks, checkpoints and snapshots of this vm start from.
-    pub fn fork_source(&self) -> Option<Arc<crate::fork::ForkSource>> {
-        self.source.clone()
-    }
-
     /// Blocks until the vm exits; returns why.
     pub fn wait(self) -> GuestExit {
         let reason = self.handle.inner.exit.wait();
         // vCPU threads may still be inside KVM_RUN: the VM and its memory
         // must outlive them, and the process ends right after this returns.
         std::mem::forget(self.handle);
-        std::mem::forget(self.source);
         reason
     }
 }

@@ -5,7 +5,7 @@ pub mod control;
 
 use std::path::Path;
 
-pub use control::{ControlError, RunningVmm, VmmHandle};
+pub use control::{ControlError, RunningVcpus, VmmHandle};
 
 use crate::memory::GuestMemoryMmap;
 pub use crate::state::MachineState;
@@ -55,7 +55,7 @@ pub fn prepare_machine(
     vcpus: u8,
 ) -> Result<(Vm, Vec<Vcpu>), RestoreError> {
     let t = std::time::Instant::now();
-    let tr = |w: &str| crate::fork::trace(t, w);
+    let tr = |w: &str| crate::trace::trace(t, w);
     let vm = Vm::new(kvm_path)?;
     tr("vm");
     vm.register_memory(mem)?;
@@ -89,6 +89,6 @@ pub fn load_machine(vm: &Vm, vcpus: &[Vcpu], state: &MachineState) -> Result<(),
         }
         vcpu.restore_state(saved)?;
     }
-    crate::fork::trace(t, "state loaded");
+    crate::trace::trace(t, "state loaded");
     Ok(())
 }

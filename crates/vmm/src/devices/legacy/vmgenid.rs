@@ -64,6 +64,11 @@ impl VmGenId {
         Ok(Self { gsi, irq })
     }
 
+    /// The device on `gsi` whose irqfd `irq` is registered already.
+    pub fn from_irq(irq: EventFd, gsi: u32) -> Self {
+        Self { gsi, irq }
+    }
+
     /// The GSI of the GED interrupt that announces a new id.
     pub fn gsi(&self) -> u32 {
         self.gsi

@@ -21,7 +21,7 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueState, QueueT};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::{Interrupt, VirtioDevice, VIRTIO_MMIO_INT_CONFIG};
+use super::{Interrupt, VirtioDevice, VirtioDeviceState, VIRTIO_MMIO_INT_CONFIG};
 use crate::devices::bus::BusDevice;
 use crate::memory::GuestMemoryMmap;
 
@@ -143,9 +143,8 @@ pub struct MmioState {
     pub interrupt_status: u32,
     pub queues: Vec<QueueRegs>,
     /// What the device behind the transport keeps besides its queues
-    /// ([`VirtioDevice::save_extra`]); absent in older snapshots.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device: Option<serde_json::Value>,
+    /// ([`VirtioDevice::save_device`]).
+    pub device: VirtioDeviceState,
 }
 
 /// A virtio device behind a virtio-mmio register window.
@@ -259,7 +258,7 @@ impl MmioTransport {
                 regs
             })
             .collect();
-        let device = dev.save_extra();
+        let device = dev.save_device();
         drop(dev);
         MmioState {
             device,
@@ -315,11 +314,9 @@ impl MmioTransport {
             )));
         }
         lock(&self.device).set_acked_features(state.acked_features);
-        if let Some(extra) = &state.device {
-            lock(&self.device)
-                .restore_extra(extra)
-                .map_err(MmioError::State)?;
-        }
+        lock(&self.device)
+            .load_device(&state.device)
+            .map_err(MmioError::State)?;
         let running = VIRTIO_CONFIG_S_DRIVER_OK | VIRTIO_CONFIG_S_FEATURES_OK;
         if self.device_status & running == running
             && self.device_status & (VIRTIO_CONFIG_S_NEEDS_RESET | VIRTIO_CONFIG_S_FAILED) == 0

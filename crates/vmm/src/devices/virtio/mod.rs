@@ -90,6 +90,29 @@ pub enum ActivateError {
     Device(String),
 }
 
+/// The typed state of the device behind a virtio-mmio transport.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum VirtioDeviceState {
+    /// A device with no state of its own (test devices).
+    None,
+    Block(block::BlockState),
+    Net(net::NetState),
+    Vsock(vsock::VsockState),
+}
+
+impl VirtioDeviceState {
+    /// What kind of device saved it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::None => "no device",
+            Self::Block(_) => "virtio-blk",
+            Self::Net(_) => "virtio-net",
+            Self::Vsock(_) => "virtio-vsock",
+        }
+    }
+}
+
 /// What every virtio device offers its transport. The bookkeeping all
 /// devices share lives in their [`DeviceBase`]; the provided methods read it.
 pub trait VirtioDevice: Send {
@@ -148,15 +171,19 @@ pub trait VirtioDevice: Send {
     /// the device is new (another process, other sockets), so a device
     /// whose guest state refers to host connections tells the driver here.
     fn restored(&mut self) {}
-    /// Device state beyond the transport's registers and queues, saved
-    /// with the moment (most devices have none).
-    fn save_extra(&self) -> Option<serde_json::Value> {
-        None
+    /// The device's own state beyond the transport's registers and
+    /// queues (its [`crate::persist::Persist`] state), saved with the
+    /// transport's.
+    fn save_device(&self) -> VirtioDeviceState {
+        VirtioDeviceState::None
     }
-    /// Takes back what [`VirtioDevice::save_extra`] gave, before the
-    /// device is activated; a value it cannot read is an error.
-    fn restore_extra(&mut self, _extra: &serde_json::Value) -> Result<(), String> {
-        Ok(())
+    /// Takes back what [`VirtioDevice::save_device`] gave, before the
+    /// device is activated; another device's state is an error.
+    fn load_device(&mut self, state: &VirtioDeviceState) -> Result<(), String> {
+        match state {
+            VirtioDeviceState::None => Ok(()),
+            other => Err(format!("saved {} state for this device", other.kind())),
+        }
     }
     /// Handles a driver reset; returns false if the device cannot be reset
     /// (the transport then marks it as needing a reset).

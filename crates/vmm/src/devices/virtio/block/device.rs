@@ -17,7 +17,7 @@ use super::request::{self, Disk};
 use super::{QUEUE_SIZE, SECTOR_SIZE};
 use crate::devices::virtio::device_common::{signal_used, ActiveQueues, DeviceBase};
 use crate::devices::virtio::queue::ChainBuffers;
-use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VirtioDeviceState};
 use crate::memory::GuestMemoryMmap;
 
 /// How to build a [`Block`] device.
@@ -196,7 +196,40 @@ impl Block {
     }
 }
 
+/// A block device keeps no guest-visible state of its own: its features
+/// are in the transport, its data on the disk, which the host side names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockState {}
+
+impl crate::persist::Persist for Block {
+    type State = BlockState;
+    type ConstructorArgs = BlockConfig;
+    type Error = BlockError;
+
+    fn save(&self) -> Result<BlockState, BlockError> {
+        Ok(BlockState {})
+    }
+
+    fn restore(config: BlockConfig, _: &BlockState) -> Result<Self, BlockError> {
+        Block::new(config)
+    }
+}
+
 impl VirtioDevice for Block {
+    fn save_device(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Block(BlockState {})
+    }
+
+    fn load_device(&mut self, state: &VirtioDeviceState) -> Result<(), String> {
+        match state {
+            VirtioDeviceState::Block(BlockState {}) => Ok(()),
+            other => Err(format!(
+                "block state expected, {} state saved",
+                other.kind()
+            )),
+        }
+    }
+
     fn host_disk(&mut self) -> Option<&mut disk::Disk> {
         (!self.disk.read_only).then_some(&mut self.disk.image)
     }

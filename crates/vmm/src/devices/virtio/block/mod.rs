@@ -9,7 +9,7 @@ mod device;
 mod event_handler;
 mod request;
 
-pub use device::{Block, BlockConfig, BlockError};
+pub use device::{Block, BlockConfig, BlockError, BlockState};
 
 /// Sector size of the virtio-blk protocol.
 pub const SECTOR_SIZE: u64 = 512;

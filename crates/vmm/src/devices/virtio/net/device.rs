@@ -13,7 +13,7 @@ use super::tap::{Tap, TapError};
 use super::{MAX_BUFFER_LEN, QUEUE_SIZE, VNET_HDR_LEN};
 use crate::devices::virtio::device_common::{signal_used, ActiveQueues, DeviceBase};
 use crate::devices::virtio::queue::ChainBuffers;
-use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VirtioDeviceState};
 use crate::memory::GuestMemoryMmap;
 
 const DEV: &str = "virtio-net";
@@ -296,7 +296,38 @@ impl Net {
     }
 }
 
+/// A net device keeps no guest-visible state of its own: its features are
+/// in the transport and its MAC in its configuration. A frame read from the
+/// tap but not yet delivered is dropped by a fork, as a network may drop it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetState {}
+
+impl crate::persist::Persist for Net {
+    type State = NetState;
+    type ConstructorArgs = NetConfig;
+    type Error = NetError;
+
+    fn save(&self) -> Result<NetState, NetError> {
+        Ok(NetState {})
+    }
+
+    fn restore(config: NetConfig, _: &NetState) -> Result<Self, NetError> {
+        Net::new(config)
+    }
+}
+
 impl VirtioDevice for Net {
+    fn save_device(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Net(NetState {})
+    }
+
+    fn load_device(&mut self, state: &VirtioDeviceState) -> Result<(), String> {
+        match state {
+            VirtioDeviceState::Net(NetState {}) => Ok(()),
+            other => Err(format!("net state expected, {} state saved", other.kind())),
+        }
+    }
+
     fn base(&self) -> &DeviceBase {
         &self.base
     }

@@ -9,7 +9,7 @@ mod device;
 mod event_handler;
 mod tap;
 
-pub use device::{Net, NetConfig, NetCounters, NetError};
+pub use device::{Net, NetConfig, NetCounters, NetError, NetState};
 pub use tap::{Tap, TapError};
 
 /// Size of each of the two queues (rx, tx) offered to the driver.

@@ -18,7 +18,7 @@ use super::packet::{read_tx_packet, PacketError, RxBuffer};
 use super::unix::{Unanswered, VsockMuxer};
 use super::{VsockConfig, VsockError};
 use crate::devices::virtio::device_common::{raise_vring, ActiveQueues, DeviceBase};
-use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice};
+use crate::devices::virtio::{ActivateError, Interrupt, VirtioDevice, VirtioDeviceState};
 use crate::memory::GuestMemoryMmap;
 
 /// Number of queues: rx, tx, event.
@@ -413,18 +413,45 @@ impl VirtioDevice for Vsock {
         self.reset = Reset::Pending;
     }
 
-    fn save_extra(&self) -> Option<serde_json::Value> {
-        serde_json::to_value(VsockState {
-            next_local_port: self.muxer.next_local_port(),
-        })
-        .ok()
+    fn save_device(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Vsock(self.vsock_state())
     }
 
-    fn restore_extra(&mut self, extra: &serde_json::Value) -> Result<(), String> {
-        let s: VsockState = serde_json::from_value(extra.clone())
-            .map_err(|e| format!("vsock state {extra}: {e}"))?;
-        self.muxer.set_next_local_port(s.next_local_port);
-        Ok(())
+    fn load_device(&mut self, state: &VirtioDeviceState) -> Result<(), String> {
+        match state {
+            VirtioDeviceState::Vsock(s) => {
+                self.muxer.set_next_local_port(s.next_local_port);
+                Ok(())
+            }
+            other => Err(format!(
+                "vsock state expected, {} state saved",
+                other.kind()
+            )),
+        }
+    }
+}
+
+impl Vsock {
+    fn vsock_state(&self) -> VsockState {
+        VsockState {
+            next_local_port: self.muxer.next_local_port(),
+        }
+    }
+}
+
+impl crate::persist::Persist for Vsock {
+    type State = VsockState;
+    type ConstructorArgs = VsockConfig;
+    type Error = VsockError;
+
+    fn save(&self) -> Result<VsockState, VsockError> {
+        Ok(self.vsock_state())
+    }
+
+    fn restore(config: VsockConfig, state: &VsockState) -> Result<Self, VsockError> {
+        let mut v = Vsock::new(config)?;
+        v.muxer.set_next_local_port(state.next_local_port);
+        Ok(v)
     }
 }
 
@@ -441,7 +468,7 @@ pub(super) enum Reset {
 
 /// The vsock's own saved state: where host port numbering continues
 /// ([`VsockMuxer::set_next_local_port`] says why).
-#[derive(serde::Serialize, serde::Deserialize)]
-struct VsockState {
-    next_local_port: u32,
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VsockState {
+    pub next_local_port: u32,
 }

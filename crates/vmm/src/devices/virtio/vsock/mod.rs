@@ -16,7 +16,7 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use device::{Vsock, EVQ, NUM_QUEUES, QUEUE_SIZE, RXQ, TXQ};
+pub use device::{Vsock, VsockState, EVQ, NUM_QUEUES, QUEUE_SIZE, RXQ, TXQ};
 pub use unix::{port_path, CONN_BUF_ALLOC, HOST_CID, MAX_CONNECTIONS};
 
 /// Default guest CID.

@@ -903,17 +903,12 @@ fn test_vsock_restored_device_never_reuses_a_saved_host_port() {
         used.push(host_handshake(&mut parent, &mut host, 10000));
         open.push(host);
     }
-    let saved = parent
-        .dev
-        .lock()
-        .unwrap()
-        .save_extra()
-        .expect("vsock state");
+    let saved = parent.dev.lock().unwrap().save_device();
     drop(parent);
 
     let mem2 = new_mem();
     let mut child = Rig::new(&mem2);
-    child.dev.lock().unwrap().restore_extra(&saved).unwrap();
+    child.dev.lock().unwrap().load_device(&saved).unwrap();
     child.post_rx_all();
     let mut host = UnixStream::connect(&child.uds).unwrap();
     host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -928,7 +923,7 @@ fn test_vsock_restored_device_never_reuses_a_saved_host_port() {
         .dev
         .lock()
         .unwrap()
-        .restore_extra(&serde_json::json!({"next_local_port": "x"}))
+        .load_device(&crate::devices::virtio::VirtioDeviceState::None)
         .unwrap_err();
     assert!(err.contains("vsock state"), "{err}");
 }
