@@ -62,31 +62,44 @@ fn snapshot_dirs(h: &Host) -> Vec<PathBuf> {
     out
 }
 
-/// Every file some chain of this home reaches (tops, frozen layers,
-/// bases). `Err` when a chain cannot be read: then nothing may be judged
-/// unused.
-fn in_use(h: &Host) -> crate::Result<HashSet<PathBuf>> {
-    let mut used = HashSet::new();
-    let mut add_chain = |top: &Path| -> crate::Result<()> {
-        for l in disk::chain(top)
+/// Who a chain belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Owner {
+    /// Disk `disk` of a vm (its top is its own).
+    Vm { name: String, disk: usize },
+    /// A checkpoint template, a snapshot directory.
+    Other,
+}
+
+/// Every chain of this home, top first, canonical paths. `Err` when one
+/// cannot be read: then nothing may be judged unused.
+fn chains(h: &Host) -> crate::Result<Vec<(Owner, Vec<PathBuf>)>> {
+    let read = |top: &Path| -> crate::Result<Vec<PathBuf>> {
+        Ok(disk::chain(top)
             .with_context(|| format!("cannot read the chain of {}", top.display()))?
-        {
-            used.insert(std::fs::canonicalize(&l.path).unwrap_or(l.path));
-        }
-        Ok(())
+            .into_iter()
+            .map(|l| std::fs::canonicalize(&l.path).unwrap_or(l.path))
+            .collect())
     };
+    let mut out = Vec::new();
     for vm in state::list(&h.home)? {
         for i in 0.. {
             let top = vm.disk_layer(i);
             if !top.exists() {
                 break;
             }
-            add_chain(&top)?;
+            out.push((
+                Owner::Vm {
+                    name: vm.name.clone(),
+                    disk: i,
+                },
+                read(&top)?,
+            ));
         }
         for c in crate::fork::list_checkpoints(h, &vm.name)? {
             for l in &c.layers {
                 if l.exists() {
-                    add_chain(l)?;
+                    out.push((Owner::Other, read(l)?));
                 }
             }
         }
@@ -95,15 +108,21 @@ fn in_use(h: &Host) -> crate::Result<HashSet<PathBuf>> {
         if let Ok((m, _)) = vmm::snapshot_dir::load(&dir) {
             for d in &m.disks {
                 if d.path.exists() {
-                    add_chain(&d.path)?;
+                    out.push((Owner::Other, read(&d.path)?));
                 }
             }
         }
     }
-    Ok(used)
+    Ok(out)
 }
 
-/// Paths some chain of this home reaches; empty when that cannot be told
+/// Every file some chain of this home reaches (tops, frozen layers,
+/// bases).
+fn in_use(h: &Host) -> crate::Result<HashSet<PathBuf>> {
+    Ok(chains(h)?.into_iter().flat_map(|(_, c)| c).collect())
+}
+
+/// Paths some chain of this home reaches; `/` when that cannot be told
 /// (callers then keep everything).
 pub fn paths_in_use(h: &Host) -> Vec<PathBuf> {
     match in_use(h) {
@@ -112,11 +131,101 @@ pub fn paths_in_use(h: &Host) -> Vec<PathBuf> {
     }
 }
 
-/// After a removal: deletes the frozen layers nothing uses. Returns how
-/// many were freed and any trouble (never fatal: what is left is freed by
-/// the next removal or `gc`). Skipped when a moment is being taken right
-/// now (the next call catches up).
+/// For each vm, the frozen layers directly under a top of its that no
+/// other chain reaches (in chain order), which its VMM can fold into the
+/// top.
+fn foldable(h: &Host, chains: &[(Owner, Vec<PathBuf>)]) -> Vec<(String, Vec<PathBuf>)> {
+    let frozen_dir = std::fs::canonicalize(state::layers_dir(&h.home))
+        .unwrap_or_else(|_| state::layers_dir(&h.home));
+    let mut users: std::collections::HashMap<&PathBuf, usize> = Default::default();
+    for (_, c) in chains {
+        for l in c {
+            *users.entry(l).or_default() += 1;
+        }
+    }
+    let mut by_vm: std::collections::BTreeMap<String, Vec<PathBuf>> = Default::default();
+    for (owner, c) in chains {
+        let Owner::Vm { name, .. } = owner else {
+            continue;
+        };
+        // Below the top, down to the first layer someone else uses (or
+        // the bottom, which stays the chain's base).
+        for l in c.iter().skip(1).take(c.len().saturating_sub(2)) {
+            if users.get(l) != Some(&1) || !l.starts_with(&frozen_dir) {
+                break;
+            }
+            by_vm.entry(name.clone()).or_default().push(l.clone());
+        }
+    }
+    by_vm.into_iter().collect()
+}
+
+/// After a removal: folds the frozen layers only one running vm still
+/// uses into that vm's top (its VMM copies them while the guest runs on,
+/// so its chain stays short), then deletes the frozen layers nothing uses.
+/// Returns how many layers were freed and any trouble (never fatal: what
+/// is left is freed by the next removal or `gc`). Skipped when a moment is
+/// being taken right now (the next call catches up).
 pub fn after_removal(h: &Host) -> (usize, Vec<String>) {
+    let mut problems = Vec::new();
+    let candidates = {
+        let Ok(Some(_lock)) = crate::lock::try_acquire(&h.home, LOCK) else {
+            return (0, problems);
+        };
+        match chains(h) {
+            Ok(c) => foldable(h, &c),
+            Err(e) => return (0, vec![format!("frozen layers kept: {e}")]),
+        }
+    };
+    for (name, layers) in candidates {
+        if let Err(e) = fold(h, &name, &layers) {
+            problems.push(format!("the layers under vm {name:?} are not folded: {e}"));
+        }
+    }
+    let (freed, more) = delete_unused(h);
+    problems.extend(more);
+    (freed, problems)
+}
+
+/// Asks vm `name`'s VMM to fold `layers` into its tops, with the vm's lock
+/// (skipped when another operation holds it: the next removal folds).
+fn fold(h: &Host, name: &str, layers: &[PathBuf]) -> crate::Result<()> {
+    let Some(_lock) = crate::lock::try_acquire(&h.home, name)? else {
+        return Ok(());
+    };
+    let vm = crate::state::VmDir::new(&h.home, name);
+    let r = vm.read_record()?;
+    if vm.state(&r) != crate::state::VmState::Running {
+        return Ok(());
+    }
+    let c = vmm::api::call(
+        &vm.api_socket(),
+        &vmm::api::Request::FoldLayers {
+            layers: layers.to_vec(),
+        },
+        FOLD_TIMEOUT,
+    )?;
+    if let Some(e) = &c.reply.error {
+        return Err(crate::Error::failed(e.clone()));
+    }
+    for f in &c.reply.fold {
+        tracing::debug!(
+            "vm {name}: disk {} folded {} layers ({} bytes) in {:.1} ms, depth {}",
+            f.disk,
+            f.folded.len(),
+            f.bytes_copied,
+            f.ms,
+            f.depth
+        );
+    }
+    Ok(())
+}
+
+/// How long a fold may take (it copies what the vm wrote since its base).
+const FOLD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Deletes the frozen layers nothing uses.
+fn delete_unused(h: &Host) -> (usize, Vec<String>) {
     let Ok(Some(_lock)) = crate::lock::try_acquire(&h.home, LOCK) else {
         return (0, Vec::new());
     };
