@@ -304,7 +304,7 @@ pub(crate) fn start_reserved(h: &Host, spec: RunSpec) -> crate::Result<RunReport
     let plan = plan(h, &spec)?;
     let _layers = crate::layers::shared(h)?;
     let vm = VmDir::new(&h.home, &spec.name);
-    if let Some(r) = vm.read_record().ok() {
+    if let Ok(r) = vm.read_record() {
         return Err(Error::conflict(match vm.state(&r) {
             VmState::Running => format!(
                 "a vm named {:?} is already running; pick another name",
@@ -513,7 +513,7 @@ fn become_ready(
             )?,
             _ => Vec::new(),
         };
-        let w = wake::Round::new(&plan.contract)?.message(role, &record, &rotated)?;
+        let w = wake::Round::new(&plan.contract)?.message(role, record, &rotated)?;
         let w = wake::wake_one(vm, w);
         problems = w.failures();
         if !w.ready() {
