@@ -216,7 +216,10 @@ pub fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Vmm { args } => Ok(exec_vmm(&args)),
         Command::Image(cmd) => crate::image_cmd::run(cmd),
         Command::Machine(cmd) => crate::machine::run(&crate::home()?, cmd),
-        Command::Gateway(GatewayCommand::Serve) => Ok(exec("tine-gateway", &[])),
+        Command::Gateway(GatewayCommand::Serve) => Ok(exec(
+            "tine-gateway",
+            &["--home".into(), crate::home()?.display().to_string()],
+        )),
         Command::Daemon(cmd) => daemon(cmd),
         Command::Exec(args) => crate::agent_cmds::exec(&client()?, args),
         Command::Cp { src, dst } => crate::agent_cmds::cp(&client()?, &src, &dst),

@@ -64,7 +64,7 @@ pub fn ensure_gateway(h: &Host) -> crate::Result<()> {
         return Ok(());
     }
     let mut cmd = std::process::Command::new(&h.bins.gateway);
-    cmd.env("TINE_HOME", &h.home);
+    cmd.arg("--home").arg(&h.home).env("TINE_HOME", &h.home);
     control::start(&p, cmd)?;
     Ok(())
 }
