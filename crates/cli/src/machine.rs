@@ -709,3 +709,14 @@ pub fn exec_inside(
     }
     Ok(exit.exit_code())
 }
+
+/// The vms in the machine, when it runs and this host needs it.
+pub fn rows(home: &Path) -> anyhow::Result<Vec<crate::render::LsRow>> {
+    if !needed()? || status(home).state != MachineState::Running {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    let code = forward_io(home, &["ls".into(), "--json".into()], &[], None, &mut out)?;
+    anyhow::ensure!(code == 0, "`tine ls` inside the machine failed ({code})");
+    serde_json::from_slice(&out).context("bad `tine ls --json` output from the machine")
+}

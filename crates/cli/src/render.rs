@@ -118,6 +118,23 @@ impl Bar {
     }
 }
 
+/// One row of `tine ls`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct LsRow {
+    pub name: String,
+    /// running, stopped, crashed (vms); sleeping (branches); checkpoint.
+    pub state: String,
+    pub pid: Option<u32>,
+    pub image: String,
+    pub mem_mib: u64,
+    pub vcpus: u8,
+    pub rss_mib: Option<u64>,
+    pub uptime_s: Option<u64>,
+    pub exit: Option<String>,
+    #[serde(default)]
+    pub parent: Option<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

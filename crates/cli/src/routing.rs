@@ -18,7 +18,6 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use crate::machine::{self, MachineState};
-use crate::verbs::LsRow;
 use crate::Command;
 use host::state::VmDir;
 
@@ -121,15 +120,4 @@ fn cp(home: &Path, src: &str, dst: &str) -> anyhow::Result<ExitCode> {
         machine::forward(home, &args(src, dst), &[], stdin)?
     };
     Ok(machine::exit_code(code))
-}
-
-/// The vms in the machine, when it runs and this host needs it.
-pub fn machine_rows(home: &Path) -> anyhow::Result<Vec<LsRow>> {
-    if !machine::needed()? || machine::status(home).state != MachineState::Running {
-        return Ok(Vec::new());
-    }
-    let mut out = Vec::new();
-    let code = machine::forward_io(home, &["ls".into(), "--json".into()], &[], None, &mut out)?;
-    anyhow::ensure!(code == 0, "`tine ls` inside the machine failed ({code})");
-    serde_json::from_slice(&out).context("bad `tine ls --json` output from the machine")
 }

@@ -234,7 +234,7 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
         Command::Run(args) => run(c, &args),
         Command::Ls { json } => {
             let mut rows = ls_rows(c)?;
-            rows.extend(crate::routing::machine_rows(&crate::home()?)?);
+            rows.extend(crate::machine::rows(&crate::home()?)?);
             ls(&rows, json)
         }
         Command::Console {
@@ -577,31 +577,14 @@ fn run(c: &Client, args: &RunArgs) -> anyhow::Result<ExitCode> {
     Ok(render::problems(&r.problems))
 }
 
-/// One row of `tine ls`.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-pub struct LsRow {
-    pub name: String,
-    /// running, stopped, crashed (vms); sleeping (branches); checkpoint.
-    pub state: String,
-    pub pid: Option<u32>,
-    pub image: String,
-    pub mem_mib: u64,
-    pub vcpus: u8,
-    pub rss_mib: Option<u64>,
-    pub uptime_s: Option<u64>,
-    pub exit: Option<String>,
-    #[serde(default)]
-    pub parent: Option<String>,
-}
-
 /// Every vm, sleeping branch and checkpoint of this host's tined.
-fn ls_rows(c: &Client) -> anyhow::Result<Vec<LsRow>> {
+fn ls_rows(c: &Client) -> anyhow::Result<Vec<render::LsRow>> {
     let vms: Vec<host::vm::VmInfo> = c.get("/v1/vms")?;
     let lineage: host::tree::Lineage = c.get("/v1/tree")?;
     let mut rows = Vec::new();
     for v in vms {
         for tag in &v.checkpoints {
-            rows.push(LsRow {
+            rows.push(render::LsRow {
                 name: format!("{}@{tag}", v.name),
                 state: "checkpoint".into(),
                 pid: None,
@@ -614,7 +597,7 @@ fn ls_rows(c: &Client) -> anyhow::Result<Vec<LsRow>> {
                 parent: Some(v.name.clone()),
             });
         }
-        rows.push(LsRow {
+        rows.push(render::LsRow {
             name: v.name,
             state: v.state.to_string(),
             pid: v.pid,
@@ -628,7 +611,7 @@ fn ls_rows(c: &Client) -> anyhow::Result<Vec<LsRow>> {
         });
     }
     for n in lineage.nodes.iter().filter(|n| n.kind == "branch") {
-        rows.push(LsRow {
+        rows.push(render::LsRow {
             name: n.name.clone(),
             state: "sleeping".into(),
             pid: None,
@@ -646,7 +629,7 @@ fn ls_rows(c: &Client) -> anyhow::Result<Vec<LsRow>> {
 }
 
 /// `tine ls`.
-fn ls(rows: &[LsRow], json: bool) -> anyhow::Result<ExitCode> {
+fn ls(rows: &[render::LsRow], json: bool) -> anyhow::Result<ExitCode> {
     if json {
         render::json(&rows, true)?;
         return Ok(ExitCode::SUCCESS);
