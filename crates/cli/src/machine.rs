@@ -720,3 +720,16 @@ pub fn rows(home: &Path) -> anyhow::Result<Vec<crate::render::LsRow>> {
     anyhow::ensure!(code == 0, "`tine ls` inside the machine failed ({code})");
     serde_json::from_slice(&out).context("bad `tine ls --json` output from the machine")
 }
+
+/// The machine's `tine tree --json`, when it runs and this host needs it.
+pub fn tree(home: &Path) -> anyhow::Result<Option<serde_json::Value>> {
+    if !needed()? || status(home).state != MachineState::Running {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    let code = forward_io(home, &["tree".into(), "--json".into()], &[], None, &mut out)?;
+    anyhow::ensure!(code == 0, "`tine tree` inside the machine failed ({code})");
+    Ok(Some(
+        serde_json::from_slice(&out).context("bad `tine tree --json` output from the machine")?,
+    ))
+}

@@ -696,12 +696,33 @@ fn disk_layers(c: &Client, name: &str, json: bool) -> anyhow::Result<ExitCode> {
 fn tree(c: &Client, json: bool) -> anyhow::Result<ExitCode> {
     let t: serde_json::Value = c.get("/v1/tree/store")?;
     let lineage: host::tree::Lineage = c.get("/v1/tree")?;
+    // The machine's tree too, where Linux vms live in it.
+    let inside = crate::machine::tree(&crate::home()?)?;
     if json {
         let mut v = t;
         v["nodes"] = serde_json::to_value(&lineage.nodes)?;
+        if let Some(m) = inside {
+            v["machine"] = m;
+        }
         render::json(&v, true)?;
         return Ok(ExitCode::SUCCESS);
     }
+    if inside.is_some() {
+        println!("on this host:");
+    }
+    render_tree(t, &lineage)?;
+    if let Some(m) = inside {
+        println!("in the machine (the nested test host):");
+        let lineage = serde_json::from_value(serde_json::json!({ "nodes": m["nodes"].clone(), "store": null }))
+            .context("the machine's tree")?;
+        render_tree(m, &lineage)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The store's tree, then what lives outside it (running vms, forks,
+/// checkpoints).
+fn render_tree(t: serde_json::Value, lineage: &host::tree::Lineage) -> anyhow::Result<()> {
     let store: store::Tree = serde_json::from_value(t).context("tined's tree")?;
     print!("{}", store.render());
     let live: Vec<&host::tree::Node> = lineage
@@ -713,7 +734,7 @@ fn tree(c: &Client, json: bool) -> anyhow::Result<ExitCode> {
         println!("live:");
         print_nodes(&live, None, 1);
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// The live nodes under `parent` (a node id), indented.
