@@ -14,6 +14,7 @@
 //!   back (the VMM's vsock round-trip test).
 
 mod conns;
+mod crng;
 mod proxy;
 mod quiesce;
 mod serve;

@@ -97,48 +97,63 @@ pub fn workload_procs() -> Option<&'static CStr> {
     WORKLOAD_PROCS.get().map(CString::as_c_str)
 }
 
-/// Freezes the workload (or, when it already is, moves the deadline).
+/// Freezes the workload (or, when it already is, moves the deadline), then
+/// reseeds the kernel's CRNG: every quiesce precedes a new moment, and its
+/// copies' seed age counts from here (crate::crng says why).
 pub fn quiesce(timeout_ms: u64, sandbox: bool) -> QuiesceReport {
     let t = Instant::now();
     let deadline = t + Duration::from_millis(timeout_ms);
     let mut st = state();
-    if let Some(f) = &mut st.frozen {
-        // Still a new moment: its copies' seed age counts from here.
-        if !sandbox {
-            if let Err(e) = crate::wake::reseed_crng() {
-                eprintln!("tine-agent: {e} (reproducible children may diverge)");
-            }
+    let (method, processes) = match &mut st.frozen {
+        Some(f) => {
+            f.deadline = deadline;
+            CHANGED.notify_all();
+            (None, f.method.processes())
         }
-        f.deadline = deadline;
-        CHANGED.notify_all();
-        return QuiesceReport {
-            method: f.method.name().into(),
-            processes: f.method.processes(),
-            micros: t.elapsed().as_micros() as u64,
-        };
-    }
-    let method = if sandbox {
-        Method::Sandbox
-    } else {
-        match cgroup_freeze() {
-            Ok(c) => Method::Cgroup(c),
-            Err(e) => {
-                eprintln!("tine-agent: cgroup v2 freezer unavailable ({e}); using SIGSTOP");
-                Method::Sigstop(sigstop_all())
-            }
+        None => {
+            let m = if sandbox {
+                Method::Sandbox
+            } else {
+                match cgroup_freeze() {
+                    Ok(c) => Method::Cgroup(c),
+                    Err(e) => {
+                        eprintln!("tine-agent: cgroup v2 freezer unavailable ({e}); using SIGSTOP");
+                        Method::Sigstop(sigstop_all())
+                    }
+                }
+            };
+            let n = m.processes();
+            (Some(m), n)
         }
     };
-    if !sandbox {
-        if let Err(e) = crate::wake::reseed_crng() {
-            eprintln!("tine-agent: {e} (reproducible children may diverge)");
+    let name = match (&method, &st.frozen) {
+        (Some(m), _) => m.name(),
+        (None, Some(f)) => f.method.name(),
+        (None, None) => "none",
+    };
+    // After the freeze: nothing but the agent draws from the new seed
+    // before the moment.
+    let crng = if sandbox {
+        Err("sandbox: not reseeded".to_string())
+    } else {
+        crate::crng::reseed_for_moment()
+    };
+    if let Err(e) = &crng {
+        if !sandbox {
+            eprintln!("tine-agent: quiesce: {e} (a reproducible fork's children may diverge)");
         }
     }
     let report = QuiesceReport {
-        method: method.name().into(),
-        processes: method.processes(),
+        method: name.into(),
+        processes,
         micros: t.elapsed().as_micros() as u64,
+        crng_reseeded: crng.is_ok(),
+        crng_window_ms: crng.as_ref().map(|r| r.window_ms).unwrap_or(0),
+        crng_error: crng.err(),
     };
-    install(&mut st, method, deadline);
+    if let Some(m) = method {
+        install(&mut st, m, deadline);
+    }
     report
 }
 

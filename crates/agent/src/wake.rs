@@ -47,8 +47,6 @@ const STDERR_TAIL: usize = 512;
 
 /// `_IOW('R', 0x03, int[2])`: add bytes to the input pool and credit them.
 const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
-/// `_IO('R', 0x07)`: reseed the CRNG from the input pool now.
-const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
 
 /// Where the wake applies its changes.
 #[derive(Clone, Debug, Default)]
@@ -138,12 +136,14 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
             detail: detail.into(),
             micros: 0,
         });
-        return report(steps, false, t0, cpu0, String::new());
+        return report(steps, false, t0, cpu0, String::new(), None);
     }
-    let sample = if ctx.sandbox() {
-        String::new()
+    // Drawn right after the randomness step, before anything else runs,
+    // so the host can check what a copy's kernel hands out.
+    let (sample, seed) = if ctx.sandbox() {
+        (String::new(), None)
     } else {
-        sample()
+        (crate::crng::sample(), crate::crng::seed_age())
     };
     step(&mut steps, "clock".into(), || clock(w, t0, ctx));
     step(&mut steps, "hostname".into(), || hostname(w, ctx));
@@ -165,18 +165,7 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
     if w.run_hooks {
         hooks(&mut steps, w, ctx);
     }
-    report(steps, true, t0, cpu0, sample)
-}
-
-/// 32 bytes read from /dev/urandom (the kernel's CRNG), hex; empty on
-/// failure. Drawn right after the randomness step, before anything else
-/// runs, so the host can check what a copy's kernel hands out.
-fn sample() -> String {
-    let mut b = [0u8; 32];
-    match File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)) {
-        Ok(()) => protocol::wake::to_hex(&b),
-        Err(_) => String::new(),
-    }
+    report(steps, true, t0, cpu0, sample, seed)
 }
 
 fn report(
@@ -185,6 +174,7 @@ fn report(
     t0: Instant,
     cpu0: u64,
     sample_hex: String,
+    seed: Option<(u64, u64)>,
 ) -> WakeReport {
     WakeReport {
         steps,
@@ -192,6 +182,8 @@ fn report(
         cpu_micros: cpu_micros().saturating_sub(cpu0),
         wall_micros: t0.elapsed().as_micros() as u64,
         sample_hex,
+        seed_age_ms: seed.map(|s| s.0),
+        crng_window_ms: seed.map(|s| s.1),
     }
 }
 
@@ -205,53 +197,6 @@ fn ioctl_random(req: libc::c_ulong, arg: *const libc::c_void, what: &str) -> Res
         return Err(format!("{what}: {}", io::Error::last_os_error()));
     }
     Ok(())
-}
-
-/// Forces a CRNG reseed now. Done at Quiesce, just before the moment is
-/// taken: the kernel also reseeds on its own once its seed is older than
-/// an interval (uptime/2 early on, then 60 s), and a reproducible child
-/// that hit that right after waking would mix in RDSEED and interrupt
-/// noise and stop replaying like its siblings. A fresh seed restarts the
-/// interval, and a child's clock (virtual time) continues from here.
-pub fn reseed_crng() -> Result<(), String> {
-    ioctl_random(RNDRESEEDCRNG, std::ptr::null(), "RNDRESEEDCRNG")?;
-    note_reseed();
-    Ok(())
-}
-
-/// When this agent last reseeded the CRNG, in CLOCK_MONOTONIC ns (0: never).
-/// A child inherits it with the agent's memory, so its wake can say how
-/// old its seed is in guest time: past the kernel's reseed interval, a
-/// reproducible child reseeds on its own and stops matching its siblings.
-static RESEEDED_AT_NS: AtomicU64 = AtomicU64::new(0);
-
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime fills the timespec we pass and keeps nothing.
-    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
-        return 0;
-    }
-    (ts.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(ts.tv_nsec as u64)
-}
-
-fn note_reseed() {
-    RESEEDED_AT_NS.store(monotonic_ns(), Ordering::Relaxed);
-}
-
-/// "seed 2.31 s old" in guest time, or "" when this agent never reseeded.
-fn seed_age() -> String {
-    match RESEEDED_AT_NS.load(Ordering::Relaxed) {
-        0 => String::new(),
-        at => format!(
-            "; CRNG seed {:.2} s old",
-            monotonic_ns().saturating_sub(at) as f64 / 1e9
-        ),
-    }
 }
 
 /// Mixes `bytes` into the kernel's input pool, credited as `8 * len` bits.
@@ -292,17 +237,40 @@ fn randomness(w: &Wake, ctx: &Ctx) -> StepResult {
         )));
     }
     add_entropy(&bytes)?;
-    let age = seed_age();
     match w.randomness {
         Randomness::Secure => {
-            reseed_crng()?;
+            let age = match crate::crng::seed_age() {
+                Some((age, _)) => format!("; the inherited seed was {:.2} s old", age as f64 / 1e3),
+                None => String::new(),
+            };
+            crate::crng::reseed()?;
             Ok(Done::Ok(format!(
                 "secure: {n} bytes mixed in (RNDADDENTROPY), CRNG reseeded (RNDRESEEDCRNG){age}; {vmgenid}"
             )))
         }
         Randomness::Reproducible => Ok(Done::Ok(format!(
-            "reproducible: {n}-byte seed mixed in (RNDADDENTROPY), no reseed{seed_note}{age}; {vmgenid}"
+            "reproducible: {n}-byte seed mixed in (RNDADDENTROPY), no reseed{seed_note}; {}; {vmgenid}",
+            window_note(crate::crng::seed_age())
         ))),
+    }
+}
+
+/// How long a reproducible copy's kernel randomness stays its siblings':
+/// the inherited seed's age against the kernel's reseed interval.
+fn window_note(seed: Option<(u64, u64)>) -> String {
+    match seed {
+        None => "no CRNG reseed before the moment: kernel randomness may differ from the siblings'".into(),
+        Some((age, window)) if age < window => format!(
+            "CRNG seed {:.2} s old, the kernel keeps it {:.0} s: kernel randomness matches the siblings' for {:.1} s more",
+            age as f64 / 1e3,
+            window as f64 / 1e3,
+            (window - age) as f64 / 1e3
+        ),
+        Some((age, window)) => format!(
+            "CRNG seed {:.2} s old, past the kernel's {:.0} s: it reseeds on its own at the next draw, and kernel randomness differs from the siblings'",
+            age as f64 / 1e3,
+            window as f64 / 1e3
+        ),
     }
 }
 

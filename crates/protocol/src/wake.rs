@@ -174,6 +174,17 @@ pub struct WakeReport {
     /// reproducible. Empty when the step failed or in the sandbox.
     #[serde(default)]
     pub sample_hex: String,
+    /// Guest time from the kernel CRNG's last reseed by this agent (the
+    /// quiesce's, for a copy of a moment) to `sample_hex`, in ms; `None`
+    /// when the agent never reseeded.
+    #[serde(default)]
+    pub seed_age_ms: Option<u64>,
+    /// How long the kernel keeps that seed before it reseeds on its own,
+    /// mixing in hardware randomness ([`QuiesceReport::crng_window_ms`]). A
+    /// reproducible child draws what its siblings draw only while
+    /// `seed_age_ms` is below this.
+    #[serde(default)]
+    pub crng_window_ms: Option<u64>,
 }
 
 impl WakeReport {
@@ -193,6 +204,20 @@ pub struct QuiesceReport {
     pub processes: u32,
     /// Wall time to freeze them, in µs.
     pub micros: u64,
+    /// Whether the kernel's CRNG was reseeded (RNDRESEEDCRNG) once the
+    /// processes were frozen, so the moment's copies inherit a young seed.
+    #[serde(default)]
+    pub crng_reseeded: bool,
+    /// How long the kernel keeps that seed, counted in guest time from the
+    /// reseed (a copy's time runs from its resume): 60 s, or less in the
+    /// guest's first minute (Linux 6.1 then reseeds at uptime/2). Within
+    /// it, copies that draw alike get the same bytes; a reproducible fork's
+    /// children match only inside this window.
+    #[serde(default)]
+    pub crng_window_ms: u64,
+    /// Why the reseed failed, when it did.
+    #[serde(default)]
+    pub crng_error: Option<String>,
 }
 
 /// Hex without a crate: the protocol crate stays dependency-light.

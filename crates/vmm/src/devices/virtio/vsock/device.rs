@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use event_manager::EventOps;
-use tracing::warn;
+use tracing::{debug, trace, warn};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
 use virtio_queue::{Queue, QueueT};
@@ -149,7 +149,12 @@ impl Vsock {
             .avail_idx(&*mem, std::sync::atomic::Ordering::Acquire)
             .map(|w| w.0);
         self.reset = match (len, posted) {
-            (4, Ok(posted)) => Reset::Sent { posted },
+            (4, Ok(posted)) => {
+                debug!(
+                    "vsock: transport reset sent (event buffer {head}, event avail idx {posted})"
+                );
+                Reset::Sent { posted }
+            }
             _ => {
                 warn!("vsock: the driver's event buffer is unusable; transport reset not sent");
                 Reset::None
@@ -177,6 +182,7 @@ impl Vsock {
         if now == posted {
             return false;
         }
+        debug!("vsock: the driver handled the transport reset (event avail idx {now}); rx flows");
         self.reset = Reset::None;
         true
     }
@@ -234,6 +240,9 @@ impl Vsock {
         // interrupt before the event queue's, so the order of the used
         // rings alone does not protect it.
         if self.reset != Reset::None {
+            if self.muxer.has_rx() {
+                trace!("vsock: rx held until the driver handled the transport reset");
+            }
             if used {
                 if let Some(active) = &self.active {
                     raise_vring(&active.interrupt, DEV);
@@ -272,10 +281,13 @@ impl Vsock {
             let head = chain.head_index();
             let len = match RxBuffer::new(mem, chain) {
                 Ok(buf) => match self.muxer.next_rx_packet(buf.data_capacity(), ops) {
-                    Some((hdr, data)) => buf.write(&hdr, &data).unwrap_or_else(|e| {
-                        warn!("vsock: cannot write rx packet: {e}");
-                        0
-                    }),
+                    Some((hdr, data)) => {
+                        trace!("vsock: to guest {hdr} (rx head {head})");
+                        buf.write(&hdr, &data).unwrap_or_else(|e| {
+                            warn!("vsock: cannot write rx packet: {e}");
+                            0
+                        })
+                    }
                     None => {
                         // Nothing fits this buffer after all: give it back.
                         queue.set_next_avail(queue.next_avail().wrapping_sub(1));
@@ -313,7 +325,10 @@ impl Vsock {
             };
             let head = chain.head_index();
             match read_tx_packet(mem, chain) {
-                Ok(pkt) => self.muxer.handle_tx(pkt, ops),
+                Ok(pkt) => {
+                    trace!("vsock: from guest {} (tx head {head})", pkt.hdr);
+                    self.muxer.handle_tx(pkt, ops)
+                }
                 Err(PacketError::BadLength { hdr, len, avail }) => {
                     warn!("vsock: tx packet length {len} but {avail} bytes in chain, resetting");
                     self.muxer.reject(&hdr, ops);

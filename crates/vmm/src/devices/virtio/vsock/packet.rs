@@ -105,6 +105,36 @@ impl VsockHeader {
     }
 }
 
+/// One line per packet for traces: `REQUEST 2:1073741824>3:10000 len 0
+/// flags 0 credit 262144/0` (buf_alloc/fwd_cnt).
+impl std::fmt::Display for VsockHeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let op = match self.op {
+            OP_REQUEST => "REQUEST",
+            OP_RESPONSE => "RESPONSE",
+            OP_RST => "RST",
+            OP_SHUTDOWN => "SHUTDOWN",
+            OP_RW => "RW",
+            OP_CREDIT_UPDATE => "CREDIT_UPDATE",
+            OP_CREDIT_REQUEST => "CREDIT_REQUEST",
+            _ => "op?",
+        };
+        write!(
+            f,
+            "{op}({}) {}:{}>{}:{} len {} flags {} credit {}/{}",
+            self.op,
+            self.src_cid,
+            self.src_port,
+            self.dst_cid,
+            self.dst_port,
+            self.len,
+            self.flags,
+            self.buf_alloc,
+            self.fwd_cnt
+        )
+    }
+}
+
 /// A packet the guest put on the tx queue.
 #[derive(Debug)]
 pub struct TxPacket {
