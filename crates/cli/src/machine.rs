@@ -729,7 +729,7 @@ pub fn tree(home: &Path) -> anyhow::Result<Option<serde_json::Value>> {
     let mut out = Vec::new();
     let code = forward_io(home, &["tree".into(), "--json".into()], &[], None, &mut out)?;
     anyhow::ensure!(code == 0, "`tine tree` inside the machine failed ({code})");
-    Ok(Some(
-        serde_json::from_slice(&out).context("bad `tine tree --json` output from the machine")?,
-    ))
+    Ok(Some(serde_json::from_slice(&out).context(
+        "bad `tine tree --json` output from the machine",
+    )?))
 }

@@ -713,8 +713,10 @@ fn tree(c: &Client, json: bool) -> anyhow::Result<ExitCode> {
     render_tree(t, &lineage)?;
     if let Some(m) = inside {
         println!("in the machine (the nested test host):");
-        let lineage = serde_json::from_value(serde_json::json!({ "nodes": m["nodes"].clone(), "store": null }))
-            .context("the machine's tree")?;
+        let lineage = serde_json::from_value(
+            serde_json::json!({ "nodes": m["nodes"].clone(), "store": null }),
+        )
+        .context("the machine's tree")?;
         render_tree(m, &lineage)?;
     }
     Ok(ExitCode::SUCCESS)
