@@ -19,7 +19,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub name: String,
     /// Image: `minimal` or `debian` (Linux, `tine image build [debian]`),
-    /// `micro-counter`, `micro-memtouch`, or an image directory.
+    /// `micro-counter`, `micro-memtouch`, `micro-blkio`, or an image directory.
     #[arg(long, default_value = "minimal", conflicts_with = "kernel")]
     image: String,
     /// A kernel file instead of an image (a micro guest ELF, vmlinux or bzImage).

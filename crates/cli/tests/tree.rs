@@ -551,6 +551,25 @@ fn disk_contents(h: &Home, vm: &str, dir: &std::path::Path) -> Vec<u8> {
     v
 }
 
+/// Has blkio in `vm` write the 4 KiB block at byte `off` with `seed`'s
+/// pattern (guests/micro/blkio.rs), checks its checksum, and applies the
+/// same write to `data`. Returns `off`.
+fn blkio_write(h: &Home, vm: &str, data: &mut [u8], off: u64, seed: u64) -> u64 {
+    let block = off / 4096;
+    let mut sum: u64 = 0xcbf2_9ce4_8422_2325;
+    for o in (off..off + 4096).step_by(8) {
+        let v = (o ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes();
+        data[o as usize..o as usize + 8].copy_from_slice(&v);
+        for b in v {
+            sum = (sum ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    let got = ask(h, vm, &format!("write {block} {seed}"), &format!("WROTE {block}"));
+    assert_eq!(got, format!("{sum:016x}"), "{vm}: blkio's checksum of block {block}");
+    ask(h, vm, "flush", "FLUSHED");
+    off
+}
+
 fn sleep_json(h: &Home, vm: &str) -> serde_json::Value {
     let out = h.ok(&["sleep", vm, "--json"]);
     let s: serde_json::Value = serde_json::from_str(&out).expect("sleep --json");
@@ -588,7 +607,7 @@ fn test_a_woken_vm_sleeps_its_disk_as_a_diff_and_it_round_trips() {
         "--name",
         "m",
         "--image",
-        "micro-memtouch",
+        "micro-blkio",
         "--mem",
         "64M",
         "--disk",
@@ -621,9 +640,13 @@ fn test_a_woken_vm_sleeps_its_disk_as_a_diff_and_it_round_trips() {
     assert_eq!(s2["disks"][0]["logical"], 0, "{s2}");
 
     // A fork child of a woken vm: its chain has the parent's frozen layer
-    // between its own top and the materialized disk; still a diff.
+    // between its own top and the materialized disk; still a diff. The
+    // guest writes its disk itself (blkio): one block before the fork (in
+    // the layer the fork freezes, which both vms read through), one in
+    // each vm after it (in its own top).
     h.ok(&["wake", "m"]);
     ask(&h, "m", "ping", "PONG");
+    let before = blkio_write(&h, "m", &mut data, 10 << 20, 1);
     h.ok(&["fork", "m", "--names", "f"]);
     ask(&h, "f", "ping", "PONG");
     let layers: serde_json::Value =
@@ -632,61 +655,48 @@ fn test_a_woken_vm_sleeps_its_disk_as_a_diff_and_it_round_trips() {
         layers[0].as_array().map_or(0, Vec::len) >= 3,
         "fork child over the woken vm's frozen layer: {layers}"
     );
-    // A micro guest cannot write its disk: qemu-io stands in for it, in
-    // the layer the fork froze (no VMM writes it; both vms read through
-    // it, and a micro guest never reads its disk, so no cache goes
-    // stale). Data, zeroes over random data, and a discard (a zero
-    // cluster over a backing file).
-    let frozen = std::path::PathBuf::from(layers[0][1]["path"].as_str().expect("path"));
-    let mode = std::fs::metadata(&frozen).expect("stat").permissions();
-    let mut w = mode.clone();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut w, 0o644);
-    std::fs::set_permissions(&frozen, w).expect("chmod");
-    let changes: [(&str, u64, u64); 3] = [
-        ("write -P 0x5a 10489856 1048576", (10 << 20) + 4096, 1 << 20),
-        ("write -z 52428800 65536", 50 << 20, 64 << 10),
-        ("discard 94371840 65536", 90 << 20, 64 << 10),
-    ];
-    for (cmd, _, _) in &changes {
-        let out = std::process::Command::new("qemu-io")
-            .args(["-f", "qcow2", "-c", cmd])
-            .arg(&frozen)
-            .output()
-            .expect("qemu-io");
-        assert!(out.status.success(), "qemu-io {cmd}: {out:?}");
-    }
-    std::fs::set_permissions(&frozen, mode).expect("chmod back");
-    let changed = disk_contents(&h, "f", dir.path());
-    assert!(changed != data, "qemu-io changed nothing");
-    assert_eq!(disk_contents(&h, "m", dir.path()), changed);
-    // The windows those clusters (64 KiB) touch.
+    let mut f_data = data.clone();
+    let in_f = blkio_write(&h, "f", &mut f_data, 50 << 20, 2);
+    let in_m = blkio_write(&h, "m", &mut data, 90 << 20, 3);
+    assert_eq!(disk_contents(&h, "f", dir.path()), f_data);
+    assert_eq!(disk_contents(&h, "m", dir.path()), data);
+    // The store windows those writes touch (qcow2 clusters are 64 KiB).
     let ws = store::DEFAULT_WINDOW_SIZE;
-    let mut windows: Vec<u64> = Vec::new();
-    for (_, off, len) in changes {
-        let first = off / (64 << 10) * (64 << 10);
-        let end = (off + len).div_ceil(64 << 10) * (64 << 10);
-        windows.extend(first / ws..=(end - 1) / ws);
-    }
-    windows.dedup();
-    let want = windows.len() as u64 * ws;
+    let want = |offs: &[u64]| {
+        let mut windows: Vec<u64> = offs.iter().map(|o| o / ws).collect();
+        windows.sort_unstable();
+        windows.dedup();
+        windows.len() as u64 * ws
+    };
 
     let sf = sleep_json(&h, "f");
     assert_eq!(sf["parent"], s2["snapshot"], "{sf}");
     assert_eq!(sf["disks"][0]["diff"], true, "{sf}");
-    assert_eq!(sf["disks"][0]["read_bytes"], want, "{sf}");
+    assert_eq!(sf["disks"][0]["read_bytes"], want(&[before, in_f]), "{sf}");
 
-    // The forked parent too (its new top over the same frozen layer).
+    // The forked parent too. With f asleep only m uses the frozen layer,
+    // so it was folded into m's top (its chain is short again) and the
+    // block written before the fork is still in m's diff.
+    let ml: serde_json::Value =
+        serde_json::from_str(&h.ok(&["disk", "layers", "m", "--json"])).expect("layers");
+    assert_eq!(
+        ml[0].as_array().map_or(0, Vec::len),
+        2,
+        "m's frozen layer folded: {ml}"
+    );
+    assert_eq!(disk_contents(&h, "m", dir.path()), data, "m after the fold");
     let s3 = sleep_json(&h, "m");
     assert_eq!(s3["parent"], s2["snapshot"], "{s3}");
     assert_eq!(s3["disks"][0]["diff"], true, "{s3}");
-    assert_eq!(s3["disks"][0]["read_bytes"], want, "{s3}");
+    assert_eq!(s3["disks"][0]["read_bytes"], want(&[before, in_m]), "{s3}");
+    let changed = [("m", data), ("f", f_data)];
 
     // Through a third wake (of the diff snapshots), the disk is byte-exact.
-    for name in ["m", "f"] {
+    for (name, want) in &changed {
         h.ok(&["wake", name]);
         ask(&h, name, "ping", "PONG");
         assert!(
-            disk_contents(&h, name, dir.path()) == changed,
+            disk_contents(&h, name, dir.path()) == *want,
             "{name}: the disk did not round-trip"
         );
     }

@@ -49,7 +49,7 @@ pub struct RunSpec {
     /// Name of the vm (1-48 letters, digits, '-', '_', '.').
     pub name: String,
     /// `minimal` or `debian` (Linux, `tine image build [debian]`),
-    /// `micro-counter`, `micro-memtouch`, or an image directory.
+    /// `micro-counter`, `micro-memtouch`, `micro-blkio`, or an image directory.
     #[serde(default = "default_image")]
     pub image: String,
     /// A kernel file instead of an image (a micro guest ELF, vmlinux or bzImage).

@@ -20,7 +20,7 @@ pub struct VmmArgs {
     #[arg(long, required_unless_present_any = ["image", "from"], conflicts_with_all = ["image", "from"])]
     kernel: Option<PathBuf>,
     /// Image: `minimal` or `debian` (built by `tine image build [debian]`),
-    /// `micro-counter`, `micro-memtouch`, or an image directory. An image
+    /// `micro-counter`, `micro-memtouch`, `micro-blkio`, or an image directory. An image
     /// with a root filesystem gets it as /dev/vda (read-only unless the
     /// first --disk replaces it).
     #[arg(long, conflicts_with = "from")]
