@@ -29,7 +29,8 @@ use anyhow::{anyhow, bail, Context};
 use protocol::{ExecRequest, Hello};
 use serde::{Deserialize, Serialize};
 
-use host::state::{now_ms, ProcStat};
+use host::proc::ProcStat;
+use host::state::now_ms;
 
 /// The testhost scripts, one source of truth for the QEMU/initramfs recipe.
 const SCRIPTS: [(&str, &str); 3] = [

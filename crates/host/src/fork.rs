@@ -96,7 +96,7 @@ fn call(socket: &Path, req: &Request) -> crate::Result<api::Call> {
 /// Points the vm's record at the process it continues in.
 fn moved(vm: &VmDir, r: &mut VmRecord, pid: u32) -> crate::Result<()> {
     r.pid = pid;
-    r.pid_start = state::process_start(pid).unwrap_or(0);
+    r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
     vm.write_record(r)
 }
 
@@ -359,7 +359,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let reply = call.reply.clone();
     for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
         rec.pid = pid;
-        rec.pid_start = state::process_start(pid).unwrap_or(0);
+        rec.pid_start = crate::proc::process_start(pid).unwrap_or(0);
         d.write_record(rec)?;
     }
     if let Some(pid) = reply.continuation_pid {
@@ -536,7 +536,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
     state::validate_name(&tag).context("invalid checkpoint tag")?;
     let (record, socket) = checkpoint_paths(&vm, &tag);
     if let Ok(old) = read_checkpoint(&record) {
-        if state::process_alive(old.pid, old.pid_start) {
+        if crate::proc::process_alive(old.pid, old.pid_start) {
             return Err(Error::conflict(format!(
                 "vm {name:?} has a checkpoint {tag:?}; choose another tag"
             )));
@@ -589,7 +589,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
         let rec = CheckpointRecord {
             tag: tag.clone(),
             pid,
-            pid_start: state::process_start(pid).unwrap_or(0),
+            pid_start: crate::proc::process_start(pid).unwrap_or(0),
             created_ms: state::now_ms(),
             moment: moment.id.clone(),
             branch: r.branch.clone(),
@@ -678,7 +678,7 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
             "vm {name:?} has no checkpoint {tag:?} (see `tine checkpoints {name}`)"
         ))
     })?;
-    if !state::process_alive(cp.pid, cp.pid_start) {
+    if !crate::proc::process_alive(cp.pid, cp.pid_start) {
         return Err(Error::failed(format!(
             "checkpoint {tag:?} of vm {name:?} is gone (its template process ended)"
         )));
@@ -760,7 +760,7 @@ pub fn list_checkpoints(h: &Host, name: &str) -> crate::Result<Vec<CheckpointRec
         let p = e.path();
         if p.extension().is_some_and(|x| x == "json") {
             if let Ok(c) = read_checkpoint(&p) {
-                if state::process_alive(c.pid, c.pid_start) {
+                if crate::proc::process_alive(c.pid, c.pid_start) {
                     out.push(c);
                 }
             }

@@ -205,7 +205,7 @@ impl VmDir {
 
     /// The vm's state, from its record, its process and its exit record.
     pub fn state(&self, r: &VmRecord) -> VmState {
-        if process_alive(r.pid, r.pid_start) {
+        if crate::proc::process_alive(r.pid, r.pid_start) {
             VmState::Running
         } else if self.read_exit().is_some() {
             VmState::Stopped
@@ -228,56 +228,6 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-/// The few fields of /proc/PID/stat that tine checks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProcStat {
-    /// Command name (field 2).
-    pub comm: String,
-    /// State letter (field 3): R, S, D, Z, X, ...
-    pub state: char,
-    /// Start time in clock ticks since boot (field 22).
-    pub start: u64,
-}
-
-impl ProcStat {
-    /// Reads /proc/PID/stat; None when the process is gone.
-    pub fn read(pid: u32) -> Option<Self> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // "pid (comm) state ...": comm may hold spaces and ')', so split at
-        // the first '(' and the last ')'.
-        let open = stat.find('(')?;
-        let close = stat.rfind(')')?;
-        let comm = stat.get(open + 1..close)?.to_string();
-        let mut rest = stat.get(close + 1..)?.split_whitespace();
-        let state = rest.next()?.chars().next()?;
-        let start = rest.nth(18)?.parse().ok()?;
-        Some(Self { comm, state, start })
-    }
-
-    /// A zombie or dead process has exited; only its entry remains.
-    pub fn is_exited(&self) -> bool {
-        matches!(self.state, 'Z' | 'X')
-    }
-}
-
-/// Start time of a process (field 22 of /proc/PID/stat), if it exists.
-pub fn process_start(pid: u32) -> Option<u64> {
-    ProcStat::read(pid).map(|s| s.start)
-}
-
-/// Whether `pid` is alive and is the same process that started at `start`
-/// (a zombie counts as gone).
-pub fn process_alive(pid: u32, start: u64) -> bool {
-    ProcStat::read(pid).is_some_and(|s| !s.is_exited() && s.start == start)
-}
-
-/// Resident memory of a process in KiB.
-pub fn process_rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// All vm directories, sorted by name.
@@ -310,22 +260,5 @@ mod tests {
         for bad in ["", "../x", "a/b", "-x", ".x", "a b", &"x".repeat(49)] {
             assert!(validate_name(bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn test_proc_stat_reads_own_process() {
-        let me = ProcStat::read(std::process::id()).expect("own stat");
-        assert!(!me.comm.is_empty());
-        assert!(!me.is_exited());
-        assert!(me.start > 0);
-    }
-
-    #[test]
-    fn test_process_alive_checks_start_time() {
-        let me = std::process::id();
-        let start = process_start(me).expect("own stat");
-        assert!(process_alive(me, start));
-        assert!(!process_alive(me, start + 1));
-        assert!(!process_alive(u32::MAX - 1, start));
     }
 }

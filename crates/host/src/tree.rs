@@ -213,7 +213,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
             let reply = c.reply.clone();
             if let Some(pid) = reply.continuation_pid {
                 r.pid = pid;
-                r.pid_start = state::process_start(pid).unwrap_or(0);
+                r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
                 vm.write_record(&r)?;
             }
             intent.phase(Phase::Recorded)?;

@@ -367,7 +367,7 @@ fn launch(
     let record = VmRecord {
         name: spec.name.clone(),
         pid,
-        pid_start: state::process_start(pid).unwrap_or(0),
+        pid_start: crate::proc::process_start(pid).unwrap_or(0),
         created_ms: state::now_ms(),
         image: plan.image_shown.clone(),
         mem_mib: plan
@@ -728,7 +728,7 @@ fn row(h: &Host, vm: &VmDir, r: &VmRecord) -> VmInfo {
         mem_mib: r.mem_mib,
         vcpus: r.vcpus,
         rss_mib: if running {
-            state::process_rss_kib(r.pid).map(|k| k / 1024)
+            crate::proc::process_rss_kib(r.pid).map(|k| k / 1024)
         } else {
             None
         },
