@@ -16,7 +16,7 @@ use base64::Engine;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use crate::app::{blocking, JsonBody, Shared};
+use crate::state::{blocking, JsonBody, Shared};
 use crate::error::{ApiError, ApiResult, ErrorBody};
 
 /// A command to run in the guest.
@@ -345,7 +345,7 @@ pub async fn write_file(
             .ok_or_else(|| ApiError::invalid(format!("mode {m:?} is not octal permission bits")))?,
         None => 0o644,
     };
-    let body = crate::app::read_limited(req, &(), MAX_UPLOAD).await?;
+    let body = crate::state::read_limited(req, &(), MAX_UPLOAD).await?;
     let st = s.clone();
     let path = q.path.clone();
     blocking(move || {

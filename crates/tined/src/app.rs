@@ -1,244 +1,21 @@
-//! The HTTP API: `app()` builds the router over the engine (crates/host).
-//! Every handler parses and checks its input, runs the engine's call on
+//! The API's handlers over the engine (crates/host), except work inside a
+//! vm (agent_io) and streams (stream); the router is in router.rs. Every
+//! handler parses and checks its input, runs the engine's call on
 //! the blocking pool (the engine is synchronous: it talks to VMMs over
 //! Unix sockets and waits on processes) and answers JSON. A client that
 //! goes away does not cancel the operation: the blocking task runs to its
 //! end and records what it did.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
-
-use axum::body::Bytes;
-use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
-use axum::{Json, Router};
-use serde::de::DeserializeOwned;
+use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ApiError, ApiResult, ErrorBody};
-use crate::events::Events;
-use crate::idem::{Answer, Idempotency};
-use crate::metrics::Metrics;
-use crate::ops::{Operation, Operations};
-
-/// Largest JSON body accepted.
-pub const MAX_JSON: usize = 4 << 20;
-
-/// What every handler shares.
-pub struct AppState {
-    pub host: host::Host,
-    pub ops: Operations,
-    pub events: Events,
-    pub metrics: Metrics,
-    pub idem: Idempotency,
-    pub started: Instant,
-    /// Unix ms of the last request (for the idle exit).
-    pub last_request: AtomicU64,
-    /// Identifies this tined's build (the CLI restarts a stale daemon).
-    pub build: String,
-    /// Set by `POST /v1/shutdown`.
-    pub shutdown: tokio::sync::Notify,
-    /// Shutting down: new requests are refused (503), the ones in flight
-    /// and the running operations finish first.
-    pub draining: std::sync::atomic::AtomicBool,
-    /// Requests being answered (streams not counted).
-    pub in_flight: std::sync::atomic::AtomicUsize,
-}
-
-pub type Shared = Arc<AppState>;
-
-impl AppState {
-    pub fn new(host: host::Host, build: String) -> Shared {
-        Arc::new(AppState {
-            idem: Idempotency::new(&host.home),
-            host,
-            ops: Operations::default(),
-            events: Events::default(),
-            metrics: Metrics::default(),
-            started: Instant::now(),
-            last_request: AtomicU64::new(host::state::now_ms()),
-            build,
-            shutdown: tokio::sync::Notify::new(),
-            draining: std::sync::atomic::AtomicBool::new(false),
-            in_flight: std::sync::atomic::AtomicUsize::new(0),
-        })
-    }
-}
-
-/// The router.
-pub fn app(state: Shared) -> Router {
-    Router::new()
-        .route("/v1/health", get(health))
-        .route("/v1/shutdown", post(shutdown))
-        .route("/v1/vms", get(list_vms).post(run_vm))
-        .route("/v1/vms/{name}", get(get_vm).delete(remove_vm))
-        .route("/v1/vms/{name}/stop", post(stop_vm))
-        .route("/v1/vms/{name}/kill", post(kill_vm))
-        .route("/v1/vms/{name}/fork", post(fork_vm))
-        .route(
-            "/v1/vms/{name}/checkpoints",
-            get(list_checkpoints).post(create_checkpoint),
-        )
-        .route(
-            "/v1/vms/{name}/checkpoints/{tag}",
-            delete(delete_checkpoint),
-        )
-        .route("/v1/vms/{name}/rollback", post(rollback_vm))
-        .route("/v1/vms/{name}/snapshot", post(snapshot_vm))
-        .route("/v1/vms/{name}/sleep", post(sleep_vm))
-        .route("/v1/vms/{name}/disks", get(disk_layers))
-        .route(
-            "/v1/vms/{name}/contract",
-            get(get_contract).put(set_contract),
-        )
-        .route("/v1/vms/{name}/secrets", get(list_secrets))
-        .route(
-            "/v1/vms/{name}/secrets/{secret}",
-            axum::routing::put(add_secret),
-        )
-        .route("/v1/vms/{name}/effects", get(vm_effects))
-        .route("/v1/vms/{name}/effects/resolve", post(resolve_effect))
-        .route("/v1/vms/{name}/exec", post(crate::agent_io::exec))
-        .route("/v1/vms/{name}/attach", post(crate::agent_io::attach))
-        .route(
-            "/v1/vms/{name}/files",
-            get(crate::agent_io::read_file).put(crate::agent_io::write_file),
-        )
-        .route(
-            "/v1/vms/{name}/console",
-            get(crate::agent_io::console).post(crate::agent_io::console_send),
-        )
-        .route("/v1/branches", get(list_branches))
-        .route("/v1/branches/{name}", delete(remove_branch))
-        .route("/v1/branches/{name}/wake", post(wake_branch))
-        .route("/v1/snapshots", get(list_snapshots))
-        .route("/v1/tree", get(lineage))
-        .route("/v1/tree/store", get(store_tree))
-        .route("/v1/gc", post(gc))
-        .route("/v1/store/verify", post(verify))
-        .route("/v1/images", get(list_images).post(build_image))
-        .route("/v1/gateway", get(gateway_status).post(gateway_control))
-        .route("/v1/operations", get(list_operations))
-        .route("/v1/operations/{id}", get(get_operation))
-        .route(
-            "/v1/operations/{id}/events",
-            get(crate::stream::operation_events),
-        )
-        .route("/v1/events", get(crate::stream::events))
-        .route("/v1/openapi.json", get(openapi))
-        .route("/metrics", get(metrics))
-        .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            count_requests,
-        ))
-        .layer(axum::extract::DefaultBodyLimit::disable())
-        .with_state(state)
-}
-
-async fn count_requests(
-    State(s): State<Shared>,
-    req: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    s.last_request
-        .store(host::state::now_ms(), Ordering::Relaxed);
-    let method = req.method().to_string();
-    let path = req.uri().path().to_string();
-    if s.draining.load(Ordering::Relaxed) && path != "/v1/health" {
-        return ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "restarting",
-            "tined is shutting down; try again in a moment",
-        )
-        .into_response();
-    }
-    // Streams (attach, events, console) may last forever: a shutdown
-    // does not wait for them.
-    let streaming =
-        path.ends_with("/attach") || path.ends_with("/events") || path.ends_with("/console");
-    if !streaming {
-        s.in_flight.fetch_add(1, Ordering::Relaxed);
-    }
-    let res = next.run(req).await;
-    if !streaming {
-        s.in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
-    s.metrics
-        .requests
-        .get_or_create(&crate::metrics::RequestLabels {
-            method,
-            status: res.status().as_u16(),
-        })
-        .inc();
-    res
-}
-
-async fn not_found(req: Request) -> ApiError {
-    ApiError::not_found(format!(
-        "no such endpoint: {} {} (see /v1/openapi.json)",
-        req.method(),
-        req.uri().path()
-    ))
-}
-
-/// A JSON body, parsed with a clear error (and a size limit).
-pub struct JsonBody<T>(pub T);
-
-impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
-    type Rejection = ApiError;
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let body = read_limited(req, state, MAX_JSON).await?;
-        parse_json(&body).map(JsonBody)
-    }
-}
-
-/// The body of `req`, at most `limit` bytes.
-pub async fn read_limited<S: Send + Sync>(
-    req: Request,
-    state: &S,
-    limit: usize,
-) -> ApiResult<Bytes> {
-    let req = req.map(|b| axum::body::Body::new(http_body_util::Limited::new(b, limit)));
-    Bytes::from_request(req, state).await.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                format!("the request body is larger than {limit} bytes"),
-            )
-        } else {
-            ApiError::invalid(format!("cannot read the request body: {e}"))
-        }
-    })
-}
-
-/// Parses a JSON body; an empty body is `{}`.
-pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        body
-    };
-    serde_json::from_slice(body).map_err(|e| {
-        ApiError::invalid(format!(
-            "the request body is not valid JSON for this call: {e}"
-        ))
-    })
-}
-
-/// Runs an engine call on the blocking pool.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> host::Result<T> + Send + 'static,
-) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
-        .map_err(ApiError::from)
-}
+use crate::idem::Answer;
+use crate::ops::Operation;
+use crate::state::{blocking, JsonBody, Shared};
 
 fn json<T: Serialize>(v: &T) -> ApiResult<serde_json::Value> {
     serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
@@ -352,16 +129,6 @@ pub async fn health(State(s): State<Shared>) -> Json<Health> {
 pub async fn shutdown(State(s): State<Shared>) -> StatusCode {
     s.shutdown.notify_one();
     StatusCode::ACCEPTED
-}
-
-#[utoipa::path(get, path = "/v1/openapi.json", tag = "meta",
-    responses((status = 200, description = "This API's OpenAPI 3.1 document")))]
-pub async fn openapi() -> Response {
-    (
-        [(axum::http::header::CONTENT_TYPE, "application/json")],
-        crate::openapi::document(),
-    )
-        .into_response()
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "meta",

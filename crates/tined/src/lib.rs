@@ -1,4 +1,4 @@
-//! tined: one control plane per host. An HTTP API ([`app::app`]) over the
+//! tined: one control plane per host. An HTTP API ([`router::app`]) over the
 //! engine library (crates/host), on `$TINE_HOME/tined.sock` (and
 //! optionally TCP with a bearer token); the subreaper of every VMM it
 //! starts; reconcile on start. See ARCHITECTURE.md, "The control plane",
@@ -13,7 +13,9 @@ pub mod images;
 pub mod metrics;
 pub mod openapi;
 pub mod ops;
+pub mod router;
 pub mod serve;
+pub mod state;
 pub mod stream;
 
 /// What a scrape of `/metrics` reads from the engine.

@@ -190,7 +190,7 @@ fn daemon(
     }
     let bins = host::Binaries::find()?;
     let h = host::Host::new(home.clone(), bins);
-    let state = tined::app::AppState::new(h.clone(), build_id());
+    let state = tined::state::AppState::new(h.clone(), build_id());
     // The subreaper: every VMM this process starts, and every fork child
     // orphaned by its VMM, is reaped here.
     let st = state.clone();
@@ -218,7 +218,7 @@ fn daemon(
         let sock = home.join("tined.sock");
         let unix = tined::serve::bind_unix(&sock)
             .with_context(|| format!("cannot listen on {}", sock.display()))?;
-        let app = tined::app::app(state.clone());
+        let app = tined::router::app(state.clone());
         tokio::spawn(tined::serve::unix(unix, app.clone()));
         if let (Some(addr), Some(token)) = (tcp, token) {
             let l = tokio::net::TcpListener::bind(&addr)
@@ -248,7 +248,7 @@ fn daemon(
 
 /// Refuses new requests and waits (at most 5 minutes) until the ones in
 /// flight and the running operations are done.
-async fn drain(state: &tined::app::Shared) {
+async fn drain(state: &tined::state::Shared) {
     use std::sync::atomic::Ordering;
     state.draining.store(true, Ordering::Relaxed);
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
@@ -263,7 +263,7 @@ async fn drain(state: &tined::app::Shared) {
 /// Resolves when tined should exit on its own: its socket or home was
 /// removed (a test's temporary home), or it was idle for `idle_exit`
 /// seconds with no vm running and nothing in flight.
-async fn watch_home(state: tined::app::Shared, sock: PathBuf, idle_exit: u64) -> String {
+async fn watch_home(state: tined::state::Shared, sock: PathBuf, idle_exit: u64) -> String {
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
         if !sock.exists() {

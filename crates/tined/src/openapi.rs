@@ -2,6 +2,7 @@
 //! types' annotations; `docs/api/openapi.json` is a copy checked in, and a
 //! test keeps the two equal.
 
+use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 
 #[derive(OpenApi)]
@@ -14,7 +15,7 @@ use utoipa::OpenApi;
     paths(
         crate::app::health,
         crate::app::shutdown,
-        crate::app::openapi,
+        crate::openapi::serve,
         crate::app::metrics,
         crate::app::list_vms,
         crate::app::run_vm,
@@ -82,4 +83,14 @@ pub fn document() -> String {
         .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
     s.push('\n');
     s
+}
+
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "meta",
+    responses((status = 200, description = "This API's OpenAPI 3.1 document")))]
+pub async fn serve() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        document(),
+    )
+        .into_response()
 }

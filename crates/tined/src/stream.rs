@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::stream::{self, Stream, StreamExt};
 
-use crate::app::Shared;
+use crate::state::Shared;
 use crate::error::{ApiError, ApiResult};
 
 #[utoipa::path(get, path = "/v1/events", tag = "events",

@@ -1,0 +1,132 @@
+//! The router: every route of the API, and the middleware that counts
+//! requests and refuses new ones while tined drains.
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::Router;
+
+use crate::app::*;
+use crate::error::ApiError;
+use crate::state::Shared;
+
+/// The router.
+pub fn app(state: Shared) -> Router {
+    Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/shutdown", post(shutdown))
+        .route("/v1/vms", get(list_vms).post(run_vm))
+        .route("/v1/vms/{name}", get(get_vm).delete(remove_vm))
+        .route("/v1/vms/{name}/stop", post(stop_vm))
+        .route("/v1/vms/{name}/kill", post(kill_vm))
+        .route("/v1/vms/{name}/fork", post(fork_vm))
+        .route(
+            "/v1/vms/{name}/checkpoints",
+            get(list_checkpoints).post(create_checkpoint),
+        )
+        .route(
+            "/v1/vms/{name}/checkpoints/{tag}",
+            delete(delete_checkpoint),
+        )
+        .route("/v1/vms/{name}/rollback", post(rollback_vm))
+        .route("/v1/vms/{name}/snapshot", post(snapshot_vm))
+        .route("/v1/vms/{name}/sleep", post(sleep_vm))
+        .route("/v1/vms/{name}/disks", get(disk_layers))
+        .route(
+            "/v1/vms/{name}/contract",
+            get(get_contract).put(set_contract),
+        )
+        .route("/v1/vms/{name}/secrets", get(list_secrets))
+        .route(
+            "/v1/vms/{name}/secrets/{secret}",
+            axum::routing::put(add_secret),
+        )
+        .route("/v1/vms/{name}/effects", get(vm_effects))
+        .route("/v1/vms/{name}/effects/resolve", post(resolve_effect))
+        .route("/v1/vms/{name}/exec", post(crate::agent_io::exec))
+        .route("/v1/vms/{name}/attach", post(crate::agent_io::attach))
+        .route(
+            "/v1/vms/{name}/files",
+            get(crate::agent_io::read_file).put(crate::agent_io::write_file),
+        )
+        .route(
+            "/v1/vms/{name}/console",
+            get(crate::agent_io::console).post(crate::agent_io::console_send),
+        )
+        .route("/v1/branches", get(list_branches))
+        .route("/v1/branches/{name}", delete(remove_branch))
+        .route("/v1/branches/{name}/wake", post(wake_branch))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/tree", get(lineage))
+        .route("/v1/tree/store", get(store_tree))
+        .route("/v1/gc", post(gc))
+        .route("/v1/store/verify", post(verify))
+        .route("/v1/images", get(list_images).post(build_image))
+        .route("/v1/gateway", get(gateway_status).post(gateway_control))
+        .route("/v1/operations", get(list_operations))
+        .route("/v1/operations/{id}", get(get_operation))
+        .route(
+            "/v1/operations/{id}/events",
+            get(crate::stream::operation_events),
+        )
+        .route("/v1/events", get(crate::stream::events))
+        .route("/v1/openapi.json", get(crate::openapi::serve))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+async fn count_requests(
+    State(s): State<Shared>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    s.last_request
+        .store(host::state::now_ms(), Ordering::Relaxed);
+    let method = req.method().to_string();
+    let path = req.uri().path().to_string();
+    if s.draining.load(Ordering::Relaxed) && path != "/v1/health" {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "restarting",
+            "tined is shutting down; try again in a moment",
+        )
+        .into_response();
+    }
+    // Streams (attach, events, console) may last forever: a shutdown
+    // does not wait for them.
+    let streaming =
+        path.ends_with("/attach") || path.ends_with("/events") || path.ends_with("/console");
+    if !streaming {
+        s.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+    let res = next.run(req).await;
+    if !streaming {
+        s.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+    s.metrics
+        .requests
+        .get_or_create(&crate::metrics::RequestLabels {
+            method,
+            status: res.status().as_u16(),
+        })
+        .inc();
+    res
+}
+
+/// Answers a request for a path no route has.
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no such endpoint: {} {} (see /v1/openapi.json)",
+        req.method(),
+        req.uri().path()
+    ))
+}

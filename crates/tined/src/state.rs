@@ -1,0 +1,118 @@
+//! What every handler shares: the engine, operations, events, metrics and
+//! idempotency answers, and the extractors and helpers handlers use to
+//! read input and call the engine.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+
+use crate::error::{ApiError, ApiResult};
+use crate::events::Events;
+use crate::idem::Idempotency;
+use crate::metrics::Metrics;
+use crate::ops::Operations;
+
+/// Largest JSON body accepted.
+pub const MAX_JSON: usize = 4 << 20;
+
+/// What every handler shares.
+pub struct AppState {
+    pub host: host::Host,
+    pub ops: Operations,
+    pub events: Events,
+    pub metrics: Metrics,
+    pub idem: Idempotency,
+    pub started: Instant,
+    /// Unix ms of the last request (for the idle exit).
+    pub last_request: AtomicU64,
+    /// Identifies this tined's build (the CLI restarts a stale daemon).
+    pub build: String,
+    /// Set by `POST /v1/shutdown`.
+    pub shutdown: tokio::sync::Notify,
+    /// Shutting down: new requests are refused (503), the ones in flight
+    /// and the running operations finish first.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Requests being answered (streams not counted).
+    pub in_flight: std::sync::atomic::AtomicUsize,
+}
+
+pub type Shared = Arc<AppState>;
+
+impl AppState {
+    pub fn new(host: host::Host, build: String) -> Shared {
+        Arc::new(AppState {
+            idem: Idempotency::new(&host.home),
+            host,
+            ops: Operations::default(),
+            events: Events::default(),
+            metrics: Metrics::default(),
+            started: Instant::now(),
+            last_request: AtomicU64::new(host::state::now_ms()),
+            build,
+            shutdown: tokio::sync::Notify::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+}
+
+/// A JSON body, parsed with a clear error (and a size limit).
+pub struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let body = read_limited(req, state, MAX_JSON).await?;
+        parse_json(&body).map(JsonBody)
+    }
+}
+
+/// The body of `req`, at most `limit` bytes.
+pub async fn read_limited<S: Send + Sync>(
+    req: Request,
+    state: &S,
+    limit: usize,
+) -> ApiResult<Bytes> {
+    let req = req.map(|b| axum::body::Body::new(http_body_util::Limited::new(b, limit)));
+    Bytes::from_request(req, state).await.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("the request body is larger than {limit} bytes"),
+            )
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {e}"))
+        }
+    })
+}
+
+/// Parses a JSON body; an empty body is `{}`.
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        body
+    };
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(format!(
+            "the request body is not valid JSON for this call: {e}"
+        ))
+    })
+}
+
+/// Runs an engine call on the blocking pool.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> host::Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
+        .map_err(ApiError::from)
+}
+
