@@ -18,10 +18,11 @@ use protocol::QuiesceReport;
 use serde::{Deserialize, Serialize};
 use vmm::api::{self, Identity, NetIdentity, Request};
 
+use crate::checkpoints::{checkpoint_paths, drop_checkpoint_files, read_checkpoint};
+pub use crate::checkpoints::{list_checkpoints, CheckpointRecord};
 use crate::error::Context;
 use crate::gateway::{self, Moment};
 use crate::intent::{Intent, Op, Phase};
-use crate::proc::Pid;
 use crate::state::{self, VmDir, VmRecord, VmState};
 use crate::vm::{kill_quietly, running, tap_name};
 use crate::{lock, net, wake, Error, Host};
@@ -30,29 +31,6 @@ use crate::{lock, net, wake, Error, Host};
 const FORK_TIMEOUT: Duration = Duration::from_secs(120);
 /// At most this many children per fork.
 pub const MAX_CHILDREN: usize = 100;
-
-/// A checkpoint of a vm: a template process holding the frozen moment.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct CheckpointRecord {
-    pub tag: String,
-    pub pid: u32,
-    pub pid_start: u64,
-    pub created_ms: u64,
-    /// The effects gateway's moment, and the branch and lineage it was
-    /// taken of (a rollback continues from them as a new branch).
-    #[serde(default)]
-    pub moment: String,
-    #[serde(default)]
-    pub branch: String,
-    #[serde(default)]
-    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Object>))]
-    pub lineage: Vec<effects::Step>,
-    /// The frozen disk layers the template holds (one per disk).
-    #[serde(default)]
-    #[cfg_attr(feature = "openapi", schema(value_type = Vec<String>))]
-    pub layers: Vec<PathBuf>,
-}
 
 /// A vm's own host side, as its records say.
 pub(crate) fn identity(vm: &VmDir, r: &VmRecord) -> Identity {
@@ -205,7 +183,7 @@ fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<Strin
                 "a vm named {n:?} exists; choose other names (or `tine rm {n}`)"
             )));
         }
-        if crate::tree::is_sleeping(h, n) {
+        if crate::branches::is_sleeping(h, n) {
             return Err(Error::conflict(format!(
                 "a sleeping branch named {n:?} exists; choose other names"
             )));
@@ -216,12 +194,9 @@ fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<Strin
 
 /// Forks a running vm: `spec`'s children continue from this moment, each
 /// with its own disk layer, console, vsock socket and MAC; the vm goes on.
-/// A vm that is asleep is forked by waking copies of its snapshot.
+/// (A sleeping branch is forked by [`crate::tree::fork`].)
 pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> {
     state::validate_name(name)?;
-    if crate::tree::is_sleeping(h, name) {
-        return crate::tree::fork_sleeping(h, name, spec);
-    }
     let _lock = lock::acquire(&h.home, name, lock::DEFAULT_WAIT)?;
     let (vm, mut r) = running(h, name)?;
     let _layers = crate::layers::shared(h)?;
@@ -332,7 +307,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         wake_parent(&r);
         return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
     }
-    let spawning = crate::reconcile::spawning();
+    let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let res = call(
         &vm.api_socket(),
@@ -349,7 +324,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
             drop(spawning);
             undo(intent);
             let _ = moment.end(h, false, &[]);
-            crate::reconcile::sweep(h);
+            crate::settle::sweep(h);
             if let Ok(r) = vm.read_record() {
                 wake_parent(&r);
             }
@@ -375,7 +350,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
 
     // Wake-up: the parent and every child, at once.
     let child_dirs: Vec<&VmDir> = dirs.iter().collect();
-    problems.extend(crate::tree::link_children(h, &vm, &child_dirs));
+    problems.extend(crate::branches::link_children(h, &vm, &child_dirs));
     let taps: Vec<(String, net::Lease)> = recs
         .iter()
         .filter_map(|rec| rec.lease.map(|l| (tap_name(&rec.name), l)))
@@ -462,7 +437,7 @@ fn free_names(h: &Host, name: &str, n: usize) -> Vec<String> {
     let mut i = 1;
     while out.len() < n {
         let cand = format!("{name}-{i}");
-        if !VmDir::new(&h.home, &cand).dir.exists() && !crate::tree::is_sleeping(h, &cand) {
+        if !VmDir::new(&h.home, &cand).dir.exists() && !crate::branches::is_sleeping(h, &cand) {
             out.push(cand);
         }
         i += 1;
@@ -509,14 +484,6 @@ impl MomentReport {
     }
 }
 
-fn checkpoint_paths(vm: &VmDir, tag: &str) -> (PathBuf, PathBuf) {
-    let dir = vm.checkpoints();
-    (
-        dir.join(format!("{tag}.json")),
-        dir.join(format!("{tag}.sock")),
-    )
-}
-
 /// Keeps this moment of a vm to roll back to, as `tag` (default cp1,
 /// cp2, ...). It costs the pages that later diverge.
 pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<MomentReport> {
@@ -551,7 +518,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
             tag: tag.clone(),
         },
     )?;
-    let spawning = crate::reconcile::spawning();
+    let spawning = crate::settle::spawning();
     let res = moment_of(
         h,
         &vm,
@@ -576,7 +543,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
         Err(e) => {
             drop(spawning);
             drop_checkpoint_files(&vm, &tag);
-            crate::reconcile::sweep(h);
+            crate::settle::sweep(h);
             intent.done();
             return Err(e.context(format!("cannot checkpoint {name:?}")));
         }
@@ -660,11 +627,6 @@ fn moment_of(
     Ok((res, woken, moment, problems))
 }
 
-fn read_checkpoint(path: &Path) -> crate::Result<CheckpointRecord> {
-    let text = std::fs::read_to_string(path)?;
-    Ok(serde_json::from_str(&text)?)
-}
-
 /// Returns a vm to its checkpoint `tag`: memory, CPU, devices and disk.
 pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> {
     state::validate_name(name)?;
@@ -696,7 +658,7 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
         crate::vm::kill_stopped(&r)?;
     }
     let _ = std::fs::remove_file(vm.exit_path());
-    let spawning = crate::reconcile::spawning();
+    let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let call = match call(
         &socket,
@@ -707,7 +669,7 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
         Ok(c) => c,
         Err(e) => {
             drop(spawning);
-            crate::reconcile::settle_pid(&vm);
+            crate::settle::settle_pid(&vm);
             intent.done();
             return Err(e.context(format!("cannot roll {name:?} back to {tag:?}")));
         }
@@ -748,41 +710,6 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
     })
 }
 
-/// The live checkpoints of a vm, oldest first.
-pub fn list_checkpoints(h: &Host, name: &str) -> crate::Result<Vec<CheckpointRecord>> {
-    state::validate_name(name)?;
-    let vm = VmDir::new(&h.home, name);
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(vm.checkpoints()) else {
-        return Ok(out);
-    };
-    for e in rd.flatten() {
-        let p = e.path();
-        if p.extension().is_some_and(|x| x == "json") {
-            if let Ok(c) = read_checkpoint(&p) {
-                if crate::proc::process_alive(c.pid, c.pid_start) {
-                    out.push(c);
-                }
-            }
-        }
-    }
-    out.sort_by_key(|c| c.created_ms);
-    Ok(out)
-}
-
-fn drop_checkpoint_files(vm: &VmDir, tag: &str) {
-    let (record, socket) = checkpoint_paths(vm, tag);
-    if let Ok(c) = read_checkpoint(&record) {
-        let _ = Pid {
-            pid: c.pid,
-            start: c.pid_start,
-        }
-        .kill(Duration::from_secs(10));
-    }
-    let _ = std::fs::remove_file(record);
-    let _ = std::fs::remove_file(socket);
-}
-
 /// Drops checkpoint `tag` of vm `name`: its template ends and the frozen
 /// layers only it held are freed.
 pub fn delete_checkpoint(h: &Host, name: &str, tag: &str) -> crate::Result<crate::vm::Removed> {
@@ -807,28 +734,6 @@ pub fn delete_checkpoint(h: &Host, name: &str, tag: &str) -> crate::Result<crate
         layers_freed: freed,
         problems,
     })
-}
-
-/// Ends every checkpoint template of a vm (on `rm`); how many ran.
-pub(crate) fn drop_checkpoints(vm: &VmDir) -> usize {
-    let Ok(rd) = std::fs::read_dir(vm.checkpoints()) else {
-        return 0;
-    };
-    let mut n = 0;
-    for e in rd.flatten() {
-        let p = e.path();
-        if let Ok(c) = read_checkpoint(&p) {
-            let t = Pid {
-                pid: c.pid,
-                start: c.pid_start,
-            };
-            if t.alive() {
-                let _ = t.kill(Duration::from_secs(10));
-                n += 1;
-            }
-        }
-    }
-    n
 }
 
 /// Writes a running vm to snapshot directory `to` (memory, state,
@@ -860,7 +765,7 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
             created: !dir.exists(),
         },
     )?;
-    let spawning = crate::reconcile::spawning();
+    let spawning = crate::settle::spawning();
     let res = moment_of(
         h,
         &vm,
@@ -884,8 +789,8 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
         Ok(c) => c,
         Err(e) => {
             drop(spawning);
-            crate::reconcile::undo_snapshot_dir(intent.record());
-            crate::reconcile::settle_pid(&vm);
+            crate::settle::undo_snapshot_dir(intent.record());
+            crate::settle::settle_pid(&vm);
             intent.done();
             return Err(e.context(format!("cannot snapshot {name:?}")));
         }

@@ -96,7 +96,7 @@ fn chains(h: &Host) -> crate::Result<Vec<(Owner, Vec<PathBuf>)>> {
                 read(&top)?,
             ));
         }
-        for c in crate::fork::list_checkpoints(h, &vm.name)? {
+        for c in crate::checkpoints::list_checkpoints(h, &vm.name)? {
             for l in &c.layers {
                 if l.exists() {
                     out.push((Owner::Other, read(l)?));

@@ -13,6 +13,8 @@
 //! things right after a crash.
 
 pub mod agent;
+pub mod branches;
+pub mod checkpoints;
 pub mod contract;
 pub mod error;
 pub mod exec;
@@ -24,6 +26,7 @@ pub mod lock;
 pub mod net;
 pub mod proc;
 pub mod reconcile;
+pub mod settle;
 pub mod size;
 pub mod state;
 pub mod tree;

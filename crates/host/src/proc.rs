@@ -16,7 +16,6 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-
 /// The few fields of /proc/PID/stat that tine checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcStat {

@@ -19,12 +19,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use store::{
-    BranchChange, BranchState, Dirty, LayerKind, Progress, SnapshotId, Store, StoreConfig,
-};
+use store::{BranchChange, BranchState, Dirty, LayerKind, Progress, SnapshotId, Store};
 use vmm::api::{self, Request};
 use vmm::snapshot_dir::{self, Manifest};
 
+use crate::branches::{branch_row, link_path, read_link, reap_branches, store_exists, trim_cache};
+pub use crate::branches::{
+    has_branch_in, is_sleeping, is_sleeping_in, open, BranchLink, CACHE_ENV,
+};
 use crate::error::Context;
 use crate::intent::{Intent, Op, Phase};
 use crate::state::{self, VmDir, VmRecord, VmState};
@@ -34,57 +36,6 @@ use protocol::wake::Role;
 
 /// How long the VMM may take to write a snapshot for `sleep`.
 const SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
-
-/// Which stored snapshot a vm was woken from (`vms/NAME/branch.json`):
-/// its next sleep stores only what changed since.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct BranchLink {
-    pub branch: String,
-    pub snapshot: i64,
-}
-
-fn link_path(vm: &VmDir) -> PathBuf {
-    vm.dir.join("branch.json")
-}
-
-fn read_link(vm: &VmDir) -> Option<BranchLink> {
-    let text = std::fs::read_to_string(link_path(vm)).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-/// The store of this host (`TINE_STORE` picks a backend, see crates/store).
-pub fn open(h: &Host) -> crate::Result<Store> {
-    let cfg = StoreConfig::from_env(&h.home)?;
-    Store::open(cfg).context("cannot open the snapshot store")
-}
-
-/// Size limit of the local chunk cache in front of a remote store
-/// (`TINE_STORE_CACHE`, e.g. `20G`; default 16 GiB).
-pub const CACHE_ENV: &str = "TINE_STORE_CACHE";
-const DEFAULT_CACHE_MIB: u64 = 16 << 10;
-
-/// Keeps the chunk cache within its budget, least recently used chunks
-/// first (they stay in the backend). Run after the work of a sleep, wake
-/// or gc, so it costs the command, not the vm's time to ready. A bad
-/// budget or a failed trim is logged, never fatal: the cache is only a
-/// cache.
-fn trim_cache(store: &Store) {
-    let budget_mib = match std::env::var(CACHE_ENV) {
-        Ok(v) => match crate::size::parse_mib(&v) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!("{CACHE_ENV}={v:?} is not a size ({e}); the cache keeps {DEFAULT_CACHE_MIB} MiB");
-                DEFAULT_CACHE_MIB
-            }
-        },
-        Err(_) => DEFAULT_CACHE_MIB,
-    };
-    match store.trim_cache(budget_mib << 20) {
-        Ok((0, _)) => {}
-        Ok((n, bytes)) => tracing::debug!("chunk cache: {n} chunks ({bytes} bytes) dropped"),
-        Err(e) => tracing::warn!("cannot trim the chunk cache: {e}"),
-    }
-}
 
 /// What `sleep` did.
 #[derive(Debug, Serialize, Deserialize)]
@@ -203,7 +154,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
             contract: Some(contract.to_toml()),
         },
     };
-    let spawning = crate::reconcile::spawning();
+    let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let res = api::call(&vm.api_socket(), &req, SNAPSHOT_TIMEOUT);
     let taken = matches!(&res, Ok(c) if c.reply.error.is_none());
@@ -226,7 +177,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
             drop(c);
             drop(spawning);
             let _ = std::fs::remove_dir_all(&staging);
-            crate::reconcile::settle_pid(&vm);
+            crate::settle::settle_pid(&vm);
             wake_again(&vm, &r, quiesced);
             intent.done();
             bail!("cannot snapshot {name:?}: {e}");
@@ -234,7 +185,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
         Err(e) => {
             drop(spawning);
             let _ = std::fs::remove_dir_all(&staging);
-            crate::reconcile::settle_pid(&vm);
+            crate::settle::settle_pid(&vm);
             wake_again(&vm, &r, quiesced);
             intent.done();
             return Err(Error::from(e).context(format!("cannot snapshot {name:?}")));
@@ -433,43 +384,6 @@ pub(crate) fn finish_wake(h: &Host, branch: &str, name: &str) -> crate::Result<(
     Ok(())
 }
 
-/// Children of a fork of a vm woken from the store descend from the same
-/// stored snapshot: their VMMs inherit the parent's dirty tracking
-/// (relative to that snapshot), so their sleeps store diff layers under it
-/// and the tree draws them there. Without a link, nothing to do.
-pub(crate) fn link_children(h: &Host, parent: &VmDir, children: &[&VmDir]) -> Vec<String> {
-    let Some(link) = read_link(parent) else {
-        return Vec::new();
-    };
-    let store = match open(h) {
-        Ok(s) => s,
-        Err(e) => return vec![format!("the children are not linked into the tree: {e}")],
-    };
-    let snapshot = SnapshotId(link.snapshot);
-    let mut problems = Vec::new();
-    for c in children {
-        let res = (|| -> crate::Result<()> {
-            if let Some(b) = store.branch(&c.name)? {
-                bail!("a {} branch of that name is in the store", b.state);
-            }
-            let l = BranchLink {
-                branch: c.name.clone(),
-                snapshot: link.snapshot,
-            };
-            state::write_atomic(&link_path(c), &serde_json::to_vec(&l)?)?;
-            store.create_branch(&c.name, snapshot, BranchState::Running)?;
-            Ok(())
-        })();
-        if let Err(e) = res {
-            problems.push(format!(
-                "{}: not linked under snapshot {snapshot} (its sleep will store a new root): {e}",
-                c.name
-            ));
-        }
-    }
-    problems
-}
-
 /// Forks a sleeping branch: new branches wake from its snapshot, one after
 /// another (they share its materialized memory file). An invalid contract
 /// is refused before any of them starts; a copy that fails to start stops
@@ -526,42 +440,29 @@ pub(crate) fn fork_sleeping(
     Ok(report)
 }
 
-/// Whether `name` is a sleeping branch of this host's store (and not a vm).
-pub fn is_sleeping(h: &Host, name: &str) -> bool {
-    is_sleeping_in(&h.home, name)
-}
-
-/// [`is_sleeping`] for the store of `home` (the CLI's routing asks it
-/// without a daemon).
-pub fn is_sleeping_in(home: &Path, name: &str) -> bool {
-    !VmDir::new(home, name).exists()
-        && branch_in(home, name).is_some_and(|b| b.state == BranchState::Sleeping)
-}
-
-/// Whether the store of `home` knows a running or sleeping branch `name`.
-pub fn has_branch_in(home: &Path, name: &str) -> bool {
-    branch_in(home, name).is_some()
-}
-
-/// Branch `name` of this host's store, if there is a store and it has one.
-fn branch_row(h: &Host, name: &str) -> Option<store::BranchRow> {
-    branch_in(&h.home, name)
-}
-
-fn branch_in(home: &Path, name: &str) -> Option<store::BranchRow> {
-    if !store_exists_in(home) {
-        return None;
+/// Forks any node of the tree by name: a running vm (its children
+/// continue from this moment, [`crate::fork::fork`]) or a sleeping branch
+/// (new branches wake from its snapshot).
+pub fn fork(
+    h: &Host,
+    name: &str,
+    spec: &crate::fork::ForkSpec,
+) -> crate::Result<crate::fork::ForkReport> {
+    state::validate_name(name)?;
+    if is_sleeping(h, name) {
+        return fork_sleeping(h, name, spec);
     }
-    let cfg = StoreConfig::from_env(home).ok()?;
-    Store::open(cfg).ok()?.branch(name).ok().flatten()
+    crate::fork::fork(h, name, spec)
 }
 
-fn store_exists(h: &Host) -> bool {
-    store_exists_in(&h.home)
-}
-
-fn store_exists_in(home: &Path) -> bool {
-    home.join("store").exists() || std::env::var_os(store::BACKEND_ENV).is_some()
+/// Removes any node of the tree by name: a vm ([`crate::vm::remove`]) or
+/// a sleeping branch.
+pub fn remove(h: &Host, name: &str, force: bool) -> crate::Result<crate::vm::Removed> {
+    state::validate_name(name)?;
+    if VmDir::new(&h.home, name).exists() {
+        return crate::vm::remove(h, name, force);
+    }
+    remove_branch(h, name)
 }
 
 /// Removes a sleeping branch (`tine rm` of a name that is no vm): it no
@@ -581,39 +482,6 @@ pub(crate) fn remove_branch(h: &Host, name: &str) -> crate::Result<crate::vm::Re
         layers_freed: 0,
         problems: Vec::new(),
     })
-}
-
-/// The branch a removed vm ran is gone (its snapshot no longer needs to
-/// be kept for it).
-pub(crate) fn forget_vm(h: &Host, vm: &VmDir) -> crate::Result<()> {
-    let Some(link) = read_link(vm) else {
-        return Ok(());
-    };
-    let store = open(h)?;
-    if let Some(b) = store.branch(&link.branch)? {
-        if b.state == BranchState::Running && b.snapshot.0 == link.snapshot {
-            store.set_branch(b.id, None, BranchState::Gone)?;
-        }
-    }
-    Ok(())
-}
-
-/// Branches whose vm is gone are marked gone (they keep nothing alive).
-fn reap_branches(h: &Host, store: &Store) -> crate::Result<()> {
-    for b in store.branches()? {
-        if b.state != BranchState::Running {
-            continue;
-        }
-        let vm = VmDir::new(&h.home, &b.name);
-        let alive = vm
-            .read_record()
-            .is_ok_and(|r| vm.state(&r) == VmState::Running)
-            && read_link(&vm).is_some_and(|l| l.snapshot == b.snapshot.0);
-        if !alive {
-            store.set_branch(b.id, None, BranchState::Gone)?;
-        }
-    }
-    Ok(())
 }
 
 /// The store's tree (snapshots with their own and shared bytes, branches).
@@ -766,7 +634,7 @@ pub struct GcReport {
 /// uses, stray processes.
 pub fn gc(h: &Host, bar: &dyn Progress) -> crate::Result<GcReport> {
     let mut report = GcReport {
-        strays_ended: crate::reconcile::sweep(h),
+        strays_ended: crate::settle::sweep(h),
         ..GcReport::default()
     };
     if store_exists(h) {

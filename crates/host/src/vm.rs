@@ -289,7 +289,7 @@ fn vmm_default_cmdline() -> &'static str {
 pub fn start(h: &Host, spec: RunSpec) -> crate::Result<RunReport> {
     state::validate_name(&spec.name)?;
     let _lock = lock::reserve(&h.home, std::slice::from_ref(&spec.name))?;
-    if crate::tree::is_sleeping(h, &spec.name) {
+    if crate::branches::is_sleeping(h, &spec.name) {
         return Err(Error::conflict(format!(
             "a sleeping branch named {:?} exists; wake it (`tine wake {}`), remove it (`tine rm {}`) or pick another name",
             spec.name, spec.name, spec.name
@@ -360,7 +360,7 @@ fn launch(
         Some(m) => restore_command(h, vm, spec, m)?,
         None => boot_command(h, vm, spec, plan)?,
     };
-    let spawning = crate::reconcile::spawning();
+    let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let mut child = cmd.spawn().context("cannot start the VMM")?;
     let pid = child.id();
@@ -739,7 +739,7 @@ fn row(h: &Host, vm: &VmDir, r: &VmRecord) -> VmInfo {
             _ => None,
         },
         parent: r.parent.clone(),
-        checkpoints: crate::fork::list_checkpoints(h, &vm.name)
+        checkpoints: crate::checkpoints::list_checkpoints(h, &vm.name)
             .map(|v| v.into_iter().map(|c| c.tag).collect())
             .unwrap_or_default(),
         agent: r.agent,
@@ -942,12 +942,14 @@ pub struct Removed {
 /// Removes a vm (with `force`, a running one too) and everything it
 /// holds: its processes, checkpoints, lease, tap, gateway registration,
 /// directory; then the frozen layers nothing uses any more. A name that
-/// is no vm but a sleeping branch removes the branch.
+/// is no vm is not found ([`crate::tree::remove`] also removes branches).
 pub fn remove(h: &Host, name: &str, force: bool) -> crate::Result<Removed> {
     state::validate_name(name)?;
     let vm = VmDir::new(&h.home, name);
     if !vm.exists() {
-        return crate::tree::remove_branch(h, name);
+        return Err(Error::not_found(format!(
+            "no vm named {name:?} (see `tine ls`)"
+        )));
     }
     let lock = lock::acquire(&h.home, name, lock::DEFAULT_WAIT)?;
     let r = vm.read_record()?;
@@ -973,14 +975,14 @@ pub(crate) fn remove_locked(h: &Host, vm: &VmDir, r: &VmRecord) -> crate::Result
         kill_quietly(r)?;
         processes += 1;
     }
-    processes += crate::fork::drop_checkpoints(vm);
+    processes += crate::checkpoints::drop_checkpoints(vm);
     gateway::unregister(h, r);
     if let Some(l) = &r.lease {
         net::forget(&tap_name(&vm.name));
         net::release(&h.home, l);
     }
     let mut problems = Vec::new();
-    if let Err(e) = crate::tree::forget_vm(h, vm) {
+    if let Err(e) = crate::branches::forget_vm(h, vm) {
         problems.push(format!("the store still lists branch {:?}: {e}", vm.name));
     }
     std::fs::remove_dir_all(&vm.dir)

@@ -216,7 +216,7 @@ pub async fn remove_vm(
 ) -> ApiResult<Json<host::vm::Removed>> {
     let st = s.clone();
     let n = name.clone();
-    let r = blocking(move || host::vm::remove(&st.host, &n, q.force)).await?;
+    let r = blocking(move || host::tree::remove(&st.host, &n, q.force)).await?;
     s.events.emit(
         if r.what == "branch" {
             "branch.removed"
@@ -288,7 +288,7 @@ pub async fn fork_vm(
     idempotent(&s, &headers, fp, || async {
         let st = s.clone();
         let n = name.clone();
-        let report = blocking(move || host::fork::fork(&st.host, &n, &spec)).await?;
+        let report = blocking(move || host::tree::fork(&st.host, &n, &spec)).await?;
         s.metrics.forks.inc();
         if let Some(p) = report.pause_ms {
             s.metrics.fork_pause.observe(p / 1000.0);
