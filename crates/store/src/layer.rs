@@ -9,7 +9,9 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::chunk::ChunkId;
-use crate::meta::{LayerKind, LayerRow, SnapshotId};
+use std::collections::HashSet;
+
+use crate::meta::{Entry, LayerKind, LayerRow, MetaError, SnapshotId};
 use crate::progress::Progress;
 use crate::store::{Store, StoreError};
 
@@ -461,4 +463,79 @@ mod tests {
         assert_eq!(b[0], 90);
         assert!(Source::read_at(v.as_slice(), &mut b, 95).is_err());
     }
+}
+
+impl Store {
+    /// The `kind` layer of committed snapshot `id`, its chain resolved.
+    pub fn layer(&self, id: SnapshotId, kind: LayerKind) -> Result<LayerView, StoreError> {
+        let info = self.snapshot(id)?;
+        let top = info
+            .layers
+            .iter()
+            .find(|l| l.kind == kind)
+            .copied()
+            .ok_or(StoreError::NoLayer { snapshot: id, kind })?;
+        self.view(top)
+    }
+
+    pub(crate) fn view(&self, top: LayerRow) -> Result<LayerView, StoreError> {
+        let n = top.size.div_ceil(top.window_size);
+        let n = usize::try_from(n)
+            .map_err(|_| StoreError::Invalid(format!("a layer of {} bytes", top.size)))?;
+        let mut slots: Vec<Option<Window>> = vec![None; n];
+        let mut unset = n;
+        let mut layer = Some(top);
+        let mut seen = HashSet::new();
+        while let Some(l) = layer {
+            if unset == 0 {
+                break;
+            }
+            if !seen.insert(l.id) {
+                return Err(
+                    MetaError::Corrupt(format!("layer {:?} is its own ancestor", l.id)).into(),
+                );
+            }
+            if l.window_size != top.window_size {
+                return Err(MetaError::Corrupt(format!(
+                    "layer {:?} has {}-byte windows, its child {}",
+                    l.id, l.window_size, top.window_size
+                ))
+                .into());
+            }
+            for (idx, e) in self.inner.meta.windows(l.id)? {
+                let Some(slot) = usize::try_from(idx).ok().and_then(|i| slots.get_mut(i)) else {
+                    continue;
+                };
+                if slot.is_none() {
+                    *slot = Some(match e {
+                        Entry::Zero => Window::Zero,
+                        Entry::Chunk(id) => Window::Chunk {
+                            id,
+                            from: l.snapshot,
+                        },
+                    });
+                    unset -= 1;
+                }
+            }
+            layer = match l.parent {
+                Some(p) => Some(
+                    self.inner
+                        .meta
+                        .layer(p)?
+                        .ok_or_else(|| MetaError::Corrupt(format!("layer {p:?} is missing")))?,
+                ),
+                None => None,
+            };
+        }
+        Ok(LayerView {
+            store: self.clone(),
+            top,
+            slots: slots
+                .into_iter()
+                .map(|s| s.unwrap_or(Window::Zero))
+                .collect(),
+        })
+    }
+
+    // --- branches ---
 }

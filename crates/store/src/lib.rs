@@ -48,6 +48,7 @@ pub mod pack;
 pub mod progress;
 pub mod s3;
 mod store;
+mod writer;
 
 pub use backend::{Backend, BackendError, LocalBackend};
 pub use chunk::ChunkId;
@@ -61,9 +62,10 @@ pub use progress::{FnProgress, NoProgress, Progress};
 pub use s3::{S3Backend, S3Config};
 pub use store::{
     BackendConfig, ChunkProblem, GcOptions, GcReport, LayerStats, PackFetch, PackProblem,
-    SnapshotInfo, SnapshotWriter, Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport,
-    BACKEND_ENV, DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE,
+    SnapshotInfo, Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport, BACKEND_ENV,
+    DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE,
 };
+pub use writer::SnapshotWriter;
 
 #[cfg(test)]
 mod tests {
