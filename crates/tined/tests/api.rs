@@ -117,3 +117,254 @@ fn test_run_list_get_console_and_rm() {
     t.delete("/v1/vms/b").expect(200);
     assert_eq!(t.get("/v1/vms").expect(200), json!([]));
 }
+
+// ------------------------------------------------------------------ moments
+
+#[test]
+fn test_fork_children_names_results_and_limits() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("fork");
+    counter(&t, "p");
+    let before = last_cnt(&t, "p");
+    let r = t.post("/v1/vms/p/fork", json!({"count": 2})).expect(200);
+    assert_eq!(r["name"], "p");
+    assert_eq!(r["names"], json!(["p-1", "p-2"]));
+    let results = r["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "{r}");
+    for (res, name) in results.iter().zip(["p-1", "p-2"]) {
+        assert_eq!(res["name"], name, "{r}");
+        assert_eq!(res["ok"], true, "{r}");
+        assert!(res["error"].is_null(), "{r}");
+        assert!(common::alive(pid_of(res)), "child {name} runs: {r}");
+    }
+    let children: Vec<u64> = r["children"]
+        .as_array()
+        .expect("children")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert_eq!(children, results.iter().map(pid_of).collect::<Vec<_>>());
+    assert!(r["pause_ms"].as_f64().is_some(), "{r}");
+    assert_eq!(
+        r["child_running_ms"].as_array().map(Vec::len),
+        Some(2),
+        "{r}"
+    );
+    // Each child continues from the moment of the fork: its counter
+    // starts near the parent's and goes on.
+    for c in ["p-1", "p-2"] {
+        let row = t.get(&format!("/v1/vms/{c}")).expect(200);
+        assert_eq!(row["state"], "running", "{row}");
+        assert_eq!(row["parent"], "p", "{row}");
+        let first = t.wait_line(c, 0, |l| l.starts_with("CNT "));
+        let n: u64 = first.trim_start_matches("CNT ").parse().expect("a count");
+        assert!(
+            n >= before,
+            "child {c} counts on from {n}, the parent was at {before}"
+        );
+    }
+    // The parent goes on too.
+    assert_eq!(t.get("/v1/vms/p").expect(200)["state"], "running");
+
+    // Names.
+    let r = t
+        .post("/v1/vms/p/fork", json!({"names": ["x", "y"]}))
+        .expect(200);
+    assert_eq!(r["names"], json!(["x", "y"]));
+    assert_eq!(
+        t.states()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        ["p", "p-1", "p-2", "x", "y"]
+    );
+
+    // Refused before anything happens; nothing changes.
+    let before = t.snapshot_state();
+    let procs = vmm_processes(&t.home);
+    let m = t
+        .post("/v1/vms/p/fork", json!({"count": 101}))
+        .expect_error(400, "invalid_input");
+    assert!(m.contains("100"), "{m}");
+    t.post("/v1/vms/p/fork", json!({"count": 0}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"names": ["d", "d"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"count": 2, "names": ["q"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"names": ["x"]}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/p/fork", json!({"names": ["fresh", "x"]}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/p/fork", json!({"names": ["../x"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"names": ["a/b"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"count": -1}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/nope/fork", json!({"count": 1}))
+        .expect_error(404, "not_found");
+    assert_eq!(t.snapshot_state(), before, "refused forks change nothing");
+    assert_eq!(
+        vmm_processes(&t.home),
+        procs,
+        "refused forks start no process"
+    );
+}
+
+#[test]
+fn test_checkpoint_rollback_and_delete_checkpoint() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("checkpoint");
+    memtouch(&t, "m");
+    let s1 = touch(&t, "m", 8, 1);
+    let cp = t
+        .post("/v1/vms/m/checkpoints", json!({"tag": "t1"}))
+        .expect(201);
+    assert_eq!(cp["name"], "m");
+    assert_eq!(cp["tag"], "t1");
+    // Default tags.
+    let cp2 = t.post("/v1/vms/m/checkpoints", json!({})).expect(201);
+    assert_eq!(cp2["tag"], "cp1");
+    t.post("/v1/vms/m/checkpoints", json!({"tag": "t1"}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/m/checkpoints", json!({"tag": "../t"}))
+        .expect_error(400, "invalid_input");
+    let list = t.get("/v1/vms/m/checkpoints").expect(200);
+    let tags: Vec<&str> = list
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|c| c["tag"].as_str())
+        .collect();
+    assert_eq!(tags, ["t1", "cp1"]);
+    assert_eq!(
+        t.get("/v1/vms/m").expect(200)["checkpoints"],
+        json!(["t1", "cp1"])
+    );
+
+    let s2 = touch(&t, "m", 8, 2);
+    assert_ne!(s1, s2);
+    let rb = t
+        .post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(rb["tag"], "t1");
+    assert_eq!(
+        sum(&t, "m", 8),
+        s1,
+        "rollback returns memory to the checkpoint"
+    );
+    assert_eq!(t.get("/v1/vms/m").expect(200)["state"], "running");
+
+    // Again: a checkpoint serves many rollbacks.
+    touch(&t, "m", 8, 3);
+    t.post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(sum(&t, "m", 8), s1);
+
+    // gc (which sweeps VMM processes no record knows) and then a rollback:
+    // the checkpoint still serves it.
+    touch(&t, "m", 8, 4);
+    t.operation_ok("/v1/gc", json!({}));
+    t.post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(sum(&t, "m", 8), s1, "a rollback after gc");
+
+    t.post("/v1/vms/m/rollback", json!({"tag": "zz"}))
+        .expect_error(404, "not_found");
+    t.post("/v1/vms/m/rollback", json!({}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/nope/rollback", json!({"tag": "t1"}))
+        .expect_error(404, "not_found");
+    t.post("/v1/vms/nope/checkpoints", json!({}))
+        .expect_error(404, "not_found");
+    t.get("/v1/vms/nope/checkpoints")
+        .expect_error(404, "not_found");
+
+    // rm of a checkpoint.
+    let d = t.delete("/v1/vms/m/checkpoints/cp1").expect(200);
+    assert_eq!(d["what"], "checkpoint");
+    assert_eq!(d["name"], "m@cp1");
+    t.delete("/v1/vms/m/checkpoints/cp1")
+        .expect_error(404, "not_found");
+    t.delete("/v1/vms/m/checkpoints/..%2F..%2Fx")
+        .expect_error(400, "invalid_input");
+    assert_eq!(t.get("/v1/vms/m").expect(200)["checkpoints"], json!(["t1"]));
+    t.delete("/v1/vms/m/checkpoints/t1").expect(200);
+    assert_eq!(t.get("/v1/vms/m/checkpoints").expect(200), json!([]));
+    // The vm goes on; only it is left.
+    assert_eq!(sum(&t, "m", 8), s1);
+    let titles: Vec<String> = vmm_processes(&t.home)
+        .into_iter()
+        .map(|v| v.title)
+        .collect();
+    assert_eq!(
+        titles,
+        ["tine-vmm m"],
+        "checkpoint templates end with their checkpoint"
+    );
+}
+
+#[test]
+fn test_snapshot_to_a_directory_and_run_from_it() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("snapshot");
+    memtouch(&t, "s");
+    let s1 = touch(&t, "s", 8, 7);
+    let dir = tempfile::tempdir().expect("a directory");
+    let snap = dir.path().join("snap");
+    let res = t.operation_ok(
+        "/v1/vms/s/snapshot",
+        json!({"dir": snap.display().to_string()}),
+    );
+    assert_eq!(res["name"], "s");
+    assert_eq!(res["dir"], snap.display().to_string());
+    assert!(
+        snap.join("manifest.json").is_file(),
+        "the snapshot is written"
+    );
+    // The vm goes on.
+    touch(&t, "s", 8, 8);
+
+    let r = t
+        .post(
+            "/v1/vms",
+            json!({"name": "r", "from": snap.display().to_string(), "no_agent": true}),
+        )
+        .expect(201);
+    assert_eq!(r["name"], "r");
+    assert_eq!(sum(&t, "r", 8), s1, "restored at the snapshot's moment");
+
+    // Not twice into one directory; not a relative one; not of a vm that is not there.
+    let op = t.operation(
+        "/v1/vms/s/snapshot",
+        json!({"dir": snap.display().to_string()}),
+    );
+    assert_eq!(op["state"], "failed", "{op}");
+    assert_eq!(op["status"], 409, "{op}");
+    assert_eq!(op["error"]["code"], "conflict", "{op}");
+    t.post("/v1/vms/s/snapshot", json!({"dir": "rel/dir"}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/s/snapshot", json!({}))
+        .expect_error(400, "invalid_input");
+    t.post(
+        "/v1/vms",
+        json!({"name": "r2", "from": dir.path().join("none").display().to_string(), "no_agent": true}),
+    )
+    .expect_error(404, "not_found");
+    assert_eq!(
+        t.states(),
+        [
+            ("r".to_string(), "running".to_string()),
+            ("s".into(), "running".into())
+        ]
+    );
+}
