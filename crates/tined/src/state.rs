@@ -115,4 +115,3 @@ pub async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
         .map_err(ApiError::from)
 }
-
