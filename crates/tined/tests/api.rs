@@ -368,3 +368,137 @@ fn test_snapshot_to_a_directory_and_run_from_it() {
         ]
     );
 }
+
+// ------------------------------------------------------------------ the tree
+
+#[test]
+fn test_sleep_wake_tree_rm_branch_and_gc() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("tree");
+    let first = memtouch(&t, "w");
+    let s1 = touch(&t, "w", 8, 5);
+
+    // sleep: 202 with an operation; its event stream ends with `done`.
+    let r = t.post("/v1/vms/w/sleep", json!({}));
+    let op = r.expect(202);
+    assert_eq!(op["kind"], "sleep");
+    assert_eq!(op["target"], "w");
+    let id = op["id"].as_str().expect("an id").to_string();
+    assert_eq!(r.header("location"), Some(format!("/v1/operations/{id}")));
+    let stream = t.sse(&format!("/v1/operations/{id}/events"));
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.content_type.as_deref(), Some("text/event-stream"));
+    let events = stream.until(Duration::from_secs(60), |ev, _| ev == "done");
+    let (_, done) = events.last().expect("a done event");
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["result"]["branch"], "w", "{done}");
+    assert!(done["result"]["snapshot"].as_i64().is_some(), "{done}");
+    for (ev, v) in &events[..events.len() - 1] {
+        assert_eq!(ev, "progress", "only progress before done: {v}");
+    }
+    // Polling says the same.
+    let polled = t.get(&format!("/v1/operations/{id}")).expect(200);
+    assert_eq!(polled["state"], "succeeded");
+    assert_eq!(polled["result"], done["result"]);
+    let ops = t.get("/v1/operations").expect(200);
+    assert!(
+        ops.as_array()
+            .expect("a list")
+            .iter()
+            .any(|o| o["id"] == id.as_str()),
+        "{ops}"
+    );
+    assert!(
+        wait_gone(&[pid_of(&first)]).is_empty(),
+        "a sleeping vm has no process"
+    );
+    t.get("/v1/vms/w").expect_error(404, "not_found");
+    let branches = t.get("/v1/branches").expect(200);
+    let w: Vec<&Value> = branches
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|b| b["name"] == "w")
+        .collect();
+    assert_eq!(w.len(), 1, "{branches}");
+    assert_eq!(w[0]["state"], "sleeping");
+
+    // wake: the vm continues with its memory.
+    let res = t.operation_ok("/v1/branches/w/wake", json!({}));
+    assert_eq!(res["name"], "w");
+    assert_eq!(t.get("/v1/vms/w").expect(200)["state"], "running");
+    assert_eq!(sum(&t, "w", 8), s1, "woken with its memory");
+    // A woken branch is not woken twice.
+    t.post("/v1/branches/w/wake", json!({}))
+        .expect_error(409, "conflict");
+    // DELETE /v1/branches/NAME removes branches, not vms.
+    t.delete("/v1/branches/w").expect_error(409, "conflict");
+
+    // Sleep again; a lazy wake under another name starts a new branch.
+    t.operation_ok("/v1/vms/w/sleep", json!({}));
+    let res = t.operation_ok("/v1/branches/w/wake", json!({"name": "w2", "lazy": true}));
+    assert_eq!(res["name"], "w2");
+    assert_eq!(sum(&t, "w2", 8), s1, "a lazy wake pages the same memory in");
+
+    // The tree: the snapshot, the sleeping branch, the running vm.
+    let tree = t.get("/v1/tree").expect(200);
+    let nodes = tree["nodes"].as_array().expect("nodes");
+    let kind_of = |id: &str| {
+        nodes
+            .iter()
+            .find(|n| n["id"] == id)
+            .map(|n| (n["kind"].clone(), n["state"].clone()))
+    };
+    assert_eq!(
+        kind_of("branch:w"),
+        Some((json!("branch"), json!("sleeping"))),
+        "{tree}"
+    );
+    assert_eq!(
+        kind_of("vm:w2"),
+        Some((json!("vm"), json!("running"))),
+        "{tree}"
+    );
+    assert!(
+        nodes.iter().any(|n| n["kind"] == "snapshot"),
+        "a snapshot node: {tree}"
+    );
+    assert!(
+        tree["store"]["stored_bytes"].as_u64().unwrap_or(0) > 0,
+        "{tree}"
+    );
+    let store = t.get("/v1/tree/store").expect(200);
+    assert!(
+        store["snapshots"].is_array() || store.is_object(),
+        "{store}"
+    );
+    assert!(t.get("/v1/snapshots").expect(200).is_array());
+
+    // Unknown names; a bad new name: refused at once, nothing starts.
+    t.post("/v1/vms/nope/sleep", json!({}))
+        .expect_error(404, "not_found");
+    t.post("/v1/branches/nope/wake", json!({}))
+        .expect_error(404, "not_found");
+    t.post("/v1/branches/w/wake", json!({"name": "../x"}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/branches/w/wake", json!({"name": "w2"}))
+        .expect_error(409, "conflict");
+
+    // rm of a branch; then gc reclaims what only it held.
+    let rm = t.delete("/v1/branches/w").expect(200);
+    assert_eq!(rm["what"], "branch");
+    t.delete("/v1/branches/w").expect_error(404, "not_found");
+    let gc = t.operation_ok("/v1/gc", json!({}));
+    assert!(gc["store"].is_object(), "{gc}");
+    // w2 still runs, from its own branch.
+    assert_eq!(sum(&t, "w2", 8), s1);
+    assert_eq!(t.states(), [("w2".to_string(), "running".to_string())]);
+
+    // Unknown operations.
+    t.get("/v1/operations/op-nope")
+        .expect_error(404, "not_found");
+    t.get("/v1/operations/op-nope/events")
+        .expect_error(404, "not_found");
+}
