@@ -113,6 +113,8 @@ impl Error {
             Error::Context { source, .. } => source.code(),
             Error::Contract(_) => Code::InvalidInput,
             Error::Io(_) | Error::Json(_) => Code::Internal,
+            Error::SnapshotDir(e) => snapshot_dir_code(e),
+            Error::Image(e) => image_code(e),
             _ => Code::Failed,
         }
     }
@@ -127,6 +129,30 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a snapshot directory's error says about the request: a directory
+/// that holds no snapshot was named wrongly, one that holds one already is
+/// taken.
+fn snapshot_dir_code(e: &vmm::snapshot_dir::SnapshotDirError) -> Code {
+    use vmm::snapshot_dir::SnapshotDirError as E;
+    match e {
+        E::NotASnapshot(_) => Code::NotFound,
+        E::NotEmpty(_) => Code::Conflict,
+        _ => Code::Failed,
+    }
+}
+
+/// What an image's error says about the request: an image or kernel that
+/// is not there, or a file that is no kernel, is the caller's to fix.
+fn image_code(e: &image::ImageError) -> Code {
+    use image::ImageError as E;
+    match e {
+        E::UnknownImage { .. } | E::KernelMissing(_) => Code::NotFound,
+        E::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => Code::NotFound,
+        E::NotAKernel(_) | E::NoAgent { .. } => Code::InvalidInput,
+        _ => Code::Failed,
+    }
+}
 
 /// anyhow-style context on results and options.
 pub trait Context<T> {
@@ -188,5 +214,27 @@ mod tests {
         let e = io.context("cannot write x").expect_err("error");
         assert_eq!(e.code(), Code::Internal);
         assert_eq!(e.to_string(), "cannot write x: disk on fire");
+    }
+
+    #[test]
+    fn test_a_missing_snapshot_or_image_is_not_found() {
+        let e = Error::from(vmm::snapshot_dir::SnapshotDirError::NotASnapshot(
+            "/x".into(),
+        ));
+        assert_eq!(e.context("cannot restore").code(), Code::NotFound);
+        let e = Error::from(vmm::snapshot_dir::SnapshotDirError::NotEmpty("/x".into()));
+        assert_eq!(e.code(), Code::Conflict);
+        let e = Error::from(image::ImageError::UnknownImage {
+            name: "nope".into(),
+            dir: "/images".into(),
+        });
+        assert_eq!(e.code(), Code::NotFound);
+        let e = Error::from(image::ImageError::Io {
+            path: "/x/manifest.json".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        });
+        assert_eq!(e.code(), Code::NotFound);
+        let e = Error::from(image::ImageError::NotAKernel("/etc/passwd".into()));
+        assert_eq!(e.code(), Code::InvalidInput);
     }
 }

@@ -23,6 +23,8 @@ pub struct ProcStat {
     pub comm: String,
     /// State letter (field 3): R, S, D, Z, X, ...
     pub state: char,
+    /// The parent's pid (field 4).
+    pub ppid: u32,
     /// Start time in clock ticks since boot (field 22).
     pub start: u64,
 }
@@ -38,8 +40,14 @@ impl ProcStat {
         let comm = stat.get(open + 1..close)?.to_string();
         let mut rest = stat.get(close + 1..)?.split_whitespace();
         let state = rest.next()?.chars().next()?;
-        let start = rest.nth(18)?.parse().ok()?;
-        Some(Self { comm, state, start })
+        let ppid = rest.next()?.parse().ok()?;
+        let start = rest.nth(17)?.parse().ok()?;
+        Some(Self {
+            comm,
+            state,
+            ppid,
+            start,
+        })
     }
 
     /// A zombie or dead process has exited; only its entry remains.
@@ -416,6 +424,9 @@ mod tests {
         assert!(!me.comm.is_empty());
         assert!(!me.is_exited());
         assert!(me.start > 0);
+        // SAFETY: getppid(2) has no preconditions.
+        let parent = unsafe { libc::getppid() };
+        assert_eq!(i64::from(me.ppid), i64::from(parent));
     }
 
     #[test]

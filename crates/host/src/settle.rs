@@ -50,9 +50,15 @@ pub fn settle_pid(vm: &VmDir) -> bool {
 
 /// Ends every VMM process of this home that no record knows (vms and
 /// checkpoint templates). Returns how many.
+///
+/// A checkpoint template keeps a standby child, made in advance so that
+/// its next rollback starts at once; no record names it, but it belongs
+/// to its template (its parent) and ends with it. Ending it would make
+/// that rollback fail after the vm was already stopped.
 pub fn sweep(h: &Host) -> usize {
     let _all = SPAWNING.write().unwrap_or_else(|e| e.into_inner());
     let mut known = std::collections::HashSet::new();
+    let mut templates = std::collections::HashSet::new();
     if let Ok(vms) = state::list(&h.home) {
         for vm in vms {
             settle_pid(&vm);
@@ -60,13 +66,19 @@ pub fn sweep(h: &Host) -> usize {
                 known.insert(r.pid);
             }
             if let Ok(cps) = crate::checkpoints::list_checkpoints(h, &vm.name) {
-                known.extend(cps.iter().map(|c| c.pid));
+                templates.extend(cps.iter().map(|c| c.pid));
             }
         }
     }
+    known.extend(&templates);
     let mut ended = 0;
     for p in crate::proc::vmm_processes(&h.bins.vmm_name(), &h.home) {
         if known.contains(&p.pid) {
+            continue;
+        }
+        // A live template's child: its standby (the template is alive,
+        // so the parent pid is that template and not a reused one).
+        if crate::proc::ProcStat::read(p.pid).is_some_and(|st| templates.contains(&st.ppid)) {
             continue;
         }
         tracing::warn!(

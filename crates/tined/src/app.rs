@@ -177,16 +177,20 @@ pub async fn run_vm(
     headers: HeaderMap,
     JsonBody(spec): JsonBody<host::vm::RunSpec>,
 ) -> ApiResult<Response> {
+    absolute_paths(&spec)?;
     let fp = fingerprint("POST", "/v1/vms", &spec);
     idempotent(&s, &headers, fp, || async {
         let st = s.clone();
         let name = spec.name.clone();
+        let kind = if spec.from.is_some() {
+            "restored"
+        } else {
+            "boot"
+        };
         let report = blocking(move || host::vm::start(&st.host, spec)).await?;
         s.metrics
             .wakes
-            .get_or_create(&crate::metrics::KindLabel {
-                kind: "boot".into(),
-            })
+            .get_or_create(&crate::metrics::KindLabel { kind: kind.into() })
             .inc();
         s.events.emit(
             "vm.started",
@@ -196,6 +200,42 @@ pub async fn run_vm(
         Ok((StatusCode::CREATED, json(&report)?))
     })
     .await
+}
+
+/// Every path in a run request is absolute: tined's working directory
+/// means nothing to a client (the CLI sends absolute paths).
+fn absolute_paths(spec: &host::vm::RunSpec) -> ApiResult<()> {
+    let relative = |what: &str, p: &std::path::Path| -> ApiResult<()> {
+        if p.is_absolute() {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(format!(
+                "{what} must be an absolute path, not {:?}",
+                p.display().to_string()
+            )))
+        }
+    };
+    if let Some(k) = &spec.kernel {
+        relative("kernel", k)?;
+    }
+    if let Some(f) = &spec.from {
+        relative("from (a snapshot directory)", f)?;
+    }
+    for d in &spec.disks {
+        relative("every disk", d)?;
+    }
+    if spec.image.contains('/') {
+        relative("an image directory", std::path::Path::new(&spec.image))?;
+    }
+    Ok(())
+}
+
+/// Vm `name` exists: a long operation on a vm that is not there is
+/// refused at once (404) rather than answered 202 and failed.
+async fn vm_exists(s: &Shared, name: &str) -> ApiResult<()> {
+    let st = s.clone();
+    let n = name.to_string();
+    blocking(move || host::vm::info(&st.host, &n).map(|_| ())).await
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -424,6 +464,14 @@ fn start_operation<T: Serialize + 'static>(
         let ok = res.is_ok();
         if let Ok(v) = &res {
             st.events.emit(event, &target, v.clone());
+            if kind == "wake" {
+                st.metrics
+                    .wakes
+                    .get_or_create(&crate::metrics::KindLabel {
+                        kind: "branch".into(),
+                    })
+                    .inc();
+            }
         }
         h.finish(res);
         st.metrics
@@ -469,6 +517,7 @@ pub async fn snapshot_vm(
             spec.dir
         )));
     }
+    vm_exists(&s, &name).await?;
     Ok(start_operation(
         &s,
         "snapshot",
@@ -482,7 +531,7 @@ pub async fn snapshot_vm(
     params(("name" = String, Path)),
     responses((status = 202, body = Operation, description = "result: SleepReport")))]
 pub async fn sleep_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
-    host::state::validate_name(&name).map_err(ApiError::from)?;
+    vm_exists(&s, &name).await?;
     Ok(start_operation(
         &s,
         "sleep",
@@ -649,6 +698,18 @@ pub async fn remove_branch(
     State(s): State<Shared>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<host::vm::Removed>> {
+    let st = s.clone();
+    let n = name.clone();
+    blocking(move || {
+        host::state::validate_name(&n)?;
+        if host::state::VmDir::new(&st.host.home, &n).exists() {
+            return Err(host::Error::conflict(format!(
+                "{n:?} is a vm, not a sleeping branch: remove it with DELETE /v1/vms/{n}"
+            )));
+        }
+        Ok(())
+    })
+    .await?;
     remove_vm(State(s), Path(name), Query(ForceQuery { force: false })).await
 }
 
@@ -660,13 +721,27 @@ pub async fn wake_branch(
     Path(name): Path<String>,
     JsonBody(spec): JsonBody<host::tree::WakeSpec>,
 ) -> ApiResult<Response> {
-    host::state::validate_name(&name).map_err(ApiError::from)?;
-    s.metrics
-        .wakes
-        .get_or_create(&crate::metrics::KindLabel {
-            kind: "branch".into(),
-        })
-        .inc();
+    // What can be told at once is (the wake checks again, under its locks).
+    let st = s.clone();
+    let (branch, new) = (name.clone(), spec.name.clone());
+    blocking(move || {
+        let home = &st.host.home;
+        host::state::validate_name(&branch)?;
+        let target = new.unwrap_or_else(|| branch.clone());
+        host::state::validate_name(&target)?;
+        if !host::tree::has_branch_in(home, &branch) {
+            return Err(host::Error::not_found(format!(
+                "no branch named {branch:?} in the store (see GET /v1/branches)"
+            )));
+        }
+        if host::state::VmDir::new(home, &target).exists() {
+            return Err(host::Error::conflict(format!(
+                "a vm named {target:?} exists already; wake the branch under another name"
+            )));
+        }
+        Ok(())
+    })
+    .await?;
     Ok(start_operation(
         &s,
         "wake",

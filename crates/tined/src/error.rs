@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ErrorBody {
     /// invalid_input, not_found, conflict, busy, failed, internal,
-    /// unauthorized, too_large, unsupported.
+    /// unauthorized, too_large, method_not_allowed, restarting.
     pub code: String,
     /// What went wrong and what to do, for a human.
     pub message: String,

@@ -224,7 +224,8 @@ fn daemon(
             let l = tokio::net::TcpListener::bind(&addr)
                 .await
                 .with_context(|| format!("cannot listen on {addr}"))?;
-            tracing::info!("listening on tcp {addr} (bearer token required)");
+            let bound = l.local_addr().map(|a| a.to_string()).unwrap_or(addr);
+            tracing::info!("listening on tcp {bound} (bearer token required)");
             tokio::spawn(tined::serve::tcp(l, app, Arc::new(token)));
         }
         tracing::info!("listening on {}", sock.display());

@@ -76,6 +76,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/openapi.json", get(crate::openapi::serve))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(json_errors))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             count_requests,
@@ -129,4 +130,60 @@ async fn not_found(req: Request) -> ApiError {
         req.method(),
         req.uri().path()
     ))
+}
+
+/// Every error is answered as JSON `{code, message}`: the ones axum makes
+/// itself (a method a path does not take, a query string or path segment
+/// that does not parse) come as plain text and are rewritten here, with
+/// their status and headers (`Allow`) kept.
+async fn json_errors(req: Request, next: axum::middleware::Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let res = next.run(req).await;
+    let status = res.status();
+    let is_json = res
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return res;
+    }
+    let (mut parts, body) = res.into_parts();
+    let text = axum::body::to_bytes(body, 64 << 10)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let (code, message) = match status {
+        StatusCode::METHOD_NOT_ALLOWED => {
+            let allow = parts
+                .headers
+                .get(axum::http::header::ALLOW)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            (
+                "method_not_allowed",
+                format!("{path} does not take {method} (it takes {allow}; see /v1/openapi.json)"),
+            )
+        }
+        StatusCode::NOT_FOUND => ("not_found", text),
+        StatusCode::PAYLOAD_TOO_LARGE => ("too_large", text),
+        StatusCode::UNAUTHORIZED => ("unauthorized", text),
+        s if s.is_client_error() => ("invalid_input", text),
+        _ => ("internal", text),
+    };
+    let message = if message.is_empty() {
+        format!("{method} {path}: {status}")
+    } else {
+        message
+    };
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let mut out = ApiError::new(status, code, message).into_response();
+    for (k, v) in parts.headers.iter() {
+        if k != axum::http::header::CONTENT_TYPE {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
 }

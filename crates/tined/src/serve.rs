@@ -46,11 +46,14 @@ where
         async move {
             if let Some(t) = &token {
                 if !authorized(req.headers(), t) {
-                    return Ok::<_, std::convert::Infallible>(axum::response::IntoResponse::into_response(
-                        ApiError::unauthorized(
-                            "this listener needs `Authorization: Bearer TOKEN` (the token tined was started with)",
-                        ),
+                    let mut res = axum::response::IntoResponse::into_response(ApiError::unauthorized(
+                        "this listener needs `Authorization: Bearer TOKEN` (the token tined was started with)",
                     ));
+                    res.headers_mut().insert(
+                        axum::http::header::WWW_AUTHENTICATE,
+                        axum::http::HeaderValue::from_static("Bearer realm=\"tined\""),
+                    );
+                    return Ok::<_, std::convert::Infallible>(res);
                 }
             }
             app.oneshot(req.map(axum::body::Body::new)).await
@@ -64,12 +67,15 @@ where
     }
 }
 
-/// Constant-time comparison of the bearer token.
+/// Constant-time comparison of the bearer token (the scheme's name is
+/// case-insensitive, RFC 7235).
 fn authorized(headers: &axum::http::HeaderMap, token: &str) -> bool {
     let Some(v) = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim())
     else {
         return false;
     };
@@ -109,6 +115,12 @@ mod tests {
         assert!(!authorized(&h, "secreT"));
         assert!(!authorized(&h, "secret2"));
         h.insert("authorization", "Basic secret".parse().expect("header"));
+        assert!(!authorized(&h, "secret"));
+        h.insert("authorization", "bearer secret".parse().expect("header"));
+        assert!(authorized(&h, "secret"));
+        h.insert("authorization", "Bearer".parse().expect("header"));
+        assert!(!authorized(&h, "secret"));
+        h.insert("authorization", "Bearer ".parse().expect("header"));
         assert!(!authorized(&h, "secret"));
     }
 }

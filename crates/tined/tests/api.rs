@@ -1,0 +1,504 @@
+//! The API of a real `tined` (this package's binary, in the foreground,
+//! with a temporary home) over its Unix socket and its TCP listener, with
+//! micro guests on this machine's /dev/kvm: every verb, the error answers,
+//! idempotency, concurrent operations on one vm, the event stream, the
+//! metrics, and the OpenAPI document against `docs/api/openapi.json`.
+//!
+//! Every test's [`Tined`] removes its vms and fails the test if a VMM
+//! process of its home is left.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{kvm_available, vmm_processes, wait_gone, Tined};
+use serde_json::{json, Value};
+
+fn pid_of(v: &Value) -> u64 {
+    v["pid"].as_u64().unwrap_or_else(|| panic!("no pid in {v}"))
+}
+
+/// The last `CNT n` of micro-counter `vm` so far.
+fn last_cnt(t: &Tined, vm: &str) -> u64 {
+    t.console(vm)
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("CNT ")?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs micro-counter `name` and waits until it counts.
+fn counter(t: &Tined, name: &str) -> Value {
+    let r = t.run(name, "micro-counter");
+    t.wait_line(name, 0, |l| l.starts_with("CNT 2"));
+    r
+}
+
+/// Runs micro-memtouch `name` and waits for READY.
+fn memtouch(t: &Tined, name: &str) -> Value {
+    let r = t.run(name, "micro-memtouch");
+    t.wait_line(name, 0, |l| l.starts_with("READY"));
+    r
+}
+
+/// The checksum memtouch `vm` answers for `sum MIB`.
+fn sum(t: &Tined, vm: &str, mib: u32) -> String {
+    last_word(&t.ask(vm, &format!("sum {mib}"), "SUM"))
+}
+
+/// Writes memtouch `vm`'s first `mib` MiB with `seed`; the checksum.
+fn touch(t: &Tined, vm: &str, mib: u32, seed: u32) -> String {
+    last_word(&t.ask(vm, &format!("touch {mib} {seed}"), "TOUCHED"))
+}
+
+fn last_word(l: &str) -> String {
+    l.split_whitespace().last().unwrap_or_default().to_string()
+}
+
+// ------------------------------------------------------------------ vms
+
+#[test]
+fn test_run_list_get_console_and_rm() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("vms");
+    assert_eq!(t.get("/v1/vms").expect(200), json!([]));
+    let r = counter(&t, "a");
+    assert_eq!(r["name"], "a");
+    let pid = pid_of(&r);
+    assert!(common::alive(pid), "the vm's VMM runs: {r}");
+
+    let list = t.get("/v1/vms").expect(200);
+    let rows = list.as_array().expect("a list");
+    assert_eq!(rows.len(), 1, "{list}");
+    assert_eq!(rows[0]["name"], "a");
+    assert_eq!(rows[0]["state"], "running");
+    assert_eq!(rows[0]["pid"].as_u64(), Some(pid));
+    assert_eq!(rows[0]["image"], "micro-counter");
+    assert_eq!(rows[0]["mem_mib"], 64);
+    assert_eq!(rows[0]["agent"], false);
+
+    let one = t.get("/v1/vms/a").expect(200);
+    assert_eq!(one["name"], "a");
+    assert_eq!(one["state"], "running");
+
+    // The guest runs: its counter goes on.
+    let c = last_cnt(&t, "a");
+    t.wait_line("a", 0, |l| {
+        l.strip_prefix("CNT ")
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|n| n > c)
+    });
+
+    // Images: a list (of what the cache holds), each with a name.
+    let imgs = t.get("/v1/images").expect(200);
+    assert!(imgs.is_array(), "{imgs}");
+
+    // A running vm is removed only with force.
+    let msg = t.delete("/v1/vms/a").expect_error(409, "conflict");
+    assert!(msg.contains("running"), "{msg}");
+    assert!(common::alive(pid), "a refused rm leaves the vm running");
+    let rm = t.delete("/v1/vms/a?force=true").expect(200);
+    assert_eq!(rm["name"], "a");
+    assert_eq!(rm["what"], "vm");
+    assert!(wait_gone(&[pid]).is_empty(), "rm ends the VMM");
+    t.get("/v1/vms/a").expect_error(404, "not_found");
+    t.delete("/v1/vms/a").expect_error(404, "not_found");
+    assert_eq!(t.get("/v1/vms").expect(200), json!([]));
+    assert!(vmm_processes(&t.home).is_empty());
+
+    // kill, then a plain rm of the stopped vm.
+    let b = counter(&t, "b");
+    let k = t.post("/v1/vms/b/kill", json!({})).expect(200);
+    assert_eq!(k["name"], "b");
+    assert!(wait_gone(&[pid_of(&b)]).is_empty(), "kill ends the VMM");
+    assert_ne!(t.get("/v1/vms/b").expect(200)["state"], "running");
+    t.delete("/v1/vms/b").expect(200);
+    assert_eq!(t.get("/v1/vms").expect(200), json!([]));
+}
+
+// ------------------------------------------------------------------ moments
+
+#[test]
+fn test_fork_children_names_results_and_limits() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("fork");
+    counter(&t, "p");
+    let before = last_cnt(&t, "p");
+    let r = t.post("/v1/vms/p/fork", json!({"count": 2})).expect(200);
+    assert_eq!(r["name"], "p");
+    assert_eq!(r["names"], json!(["p-1", "p-2"]));
+    let results = r["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "{r}");
+    for (res, name) in results.iter().zip(["p-1", "p-2"]) {
+        assert_eq!(res["name"], name, "{r}");
+        assert_eq!(res["ok"], true, "{r}");
+        assert!(res["error"].is_null(), "{r}");
+        assert!(common::alive(pid_of(res)), "child {name} runs: {r}");
+    }
+    let children: Vec<u64> = r["children"]
+        .as_array()
+        .expect("children")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert_eq!(children, results.iter().map(pid_of).collect::<Vec<_>>());
+    assert!(r["pause_ms"].as_f64().is_some(), "{r}");
+    assert_eq!(
+        r["child_running_ms"].as_array().map(Vec::len),
+        Some(2),
+        "{r}"
+    );
+    // Each child continues from the moment of the fork: its counter
+    // starts near the parent's and goes on.
+    for c in ["p-1", "p-2"] {
+        let row = t.get(&format!("/v1/vms/{c}")).expect(200);
+        assert_eq!(row["state"], "running", "{row}");
+        assert_eq!(row["parent"], "p", "{row}");
+        let first = t.wait_line(c, 0, |l| l.starts_with("CNT "));
+        let n: u64 = first.trim_start_matches("CNT ").parse().expect("a count");
+        assert!(
+            n >= before,
+            "child {c} counts on from {n}, the parent was at {before}"
+        );
+    }
+    // The parent goes on too.
+    assert_eq!(t.get("/v1/vms/p").expect(200)["state"], "running");
+
+    // Names.
+    let r = t
+        .post("/v1/vms/p/fork", json!({"names": ["x", "y"]}))
+        .expect(200);
+    assert_eq!(r["names"], json!(["x", "y"]));
+    assert_eq!(
+        t.states()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        ["p", "p-1", "p-2", "x", "y"]
+    );
+
+    // Refused before anything happens; nothing changes.
+    let before = t.snapshot_state();
+    let procs = vmm_processes(&t.home);
+    let m = t
+        .post("/v1/vms/p/fork", json!({"count": 101}))
+        .expect_error(400, "invalid_input");
+    assert!(m.contains("100"), "{m}");
+    t.post("/v1/vms/p/fork", json!({"count": 0}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"names": ["d", "d"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"count": 2, "names": ["q"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"names": ["x"]}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/p/fork", json!({"names": ["fresh", "x"]}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/p/fork", json!({"names": ["../x"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"names": ["a/b"]}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/p/fork", json!({"count": -1}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/nope/fork", json!({"count": 1}))
+        .expect_error(404, "not_found");
+    assert_eq!(t.snapshot_state(), before, "refused forks change nothing");
+    assert_eq!(
+        vmm_processes(&t.home),
+        procs,
+        "refused forks start no process"
+    );
+}
+
+#[test]
+fn test_checkpoint_rollback_and_delete_checkpoint() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("checkpoint");
+    memtouch(&t, "m");
+    let s1 = touch(&t, "m", 8, 1);
+    let cp = t
+        .post("/v1/vms/m/checkpoints", json!({"tag": "t1"}))
+        .expect(201);
+    assert_eq!(cp["name"], "m");
+    assert_eq!(cp["tag"], "t1");
+    // Default tags.
+    let cp2 = t.post("/v1/vms/m/checkpoints", json!({})).expect(201);
+    assert_eq!(cp2["tag"], "cp1");
+    t.post("/v1/vms/m/checkpoints", json!({"tag": "t1"}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/m/checkpoints", json!({"tag": "../t"}))
+        .expect_error(400, "invalid_input");
+    let list = t.get("/v1/vms/m/checkpoints").expect(200);
+    let tags: Vec<&str> = list
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|c| c["tag"].as_str())
+        .collect();
+    assert_eq!(tags, ["t1", "cp1"]);
+    assert_eq!(
+        t.get("/v1/vms/m").expect(200)["checkpoints"],
+        json!(["t1", "cp1"])
+    );
+
+    let s2 = touch(&t, "m", 8, 2);
+    assert_ne!(s1, s2);
+    let rb = t
+        .post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(rb["tag"], "t1");
+    assert_eq!(
+        sum(&t, "m", 8),
+        s1,
+        "rollback returns memory to the checkpoint"
+    );
+    assert_eq!(t.get("/v1/vms/m").expect(200)["state"], "running");
+
+    // Again: a checkpoint serves many rollbacks.
+    touch(&t, "m", 8, 3);
+    t.post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(sum(&t, "m", 8), s1);
+
+    // gc (which sweeps VMM processes no record knows) and then a rollback:
+    // the checkpoint still serves it.
+    touch(&t, "m", 8, 4);
+    t.operation_ok("/v1/gc", json!({}));
+    t.post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(sum(&t, "m", 8), s1, "a rollback after gc");
+
+    t.post("/v1/vms/m/rollback", json!({"tag": "zz"}))
+        .expect_error(404, "not_found");
+    t.post("/v1/vms/m/rollback", json!({}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/nope/rollback", json!({"tag": "t1"}))
+        .expect_error(404, "not_found");
+    t.post("/v1/vms/nope/checkpoints", json!({}))
+        .expect_error(404, "not_found");
+    t.get("/v1/vms/nope/checkpoints")
+        .expect_error(404, "not_found");
+
+    // rm of a checkpoint.
+    let d = t.delete("/v1/vms/m/checkpoints/cp1").expect(200);
+    assert_eq!(d["what"], "checkpoint");
+    assert_eq!(d["name"], "m@cp1");
+    t.delete("/v1/vms/m/checkpoints/cp1")
+        .expect_error(404, "not_found");
+    t.delete("/v1/vms/m/checkpoints/..%2F..%2Fx")
+        .expect_error(400, "invalid_input");
+    assert_eq!(t.get("/v1/vms/m").expect(200)["checkpoints"], json!(["t1"]));
+    t.delete("/v1/vms/m/checkpoints/t1").expect(200);
+    assert_eq!(t.get("/v1/vms/m/checkpoints").expect(200), json!([]));
+    // The vm goes on; only it is left.
+    assert_eq!(sum(&t, "m", 8), s1);
+    let titles: Vec<String> = vmm_processes(&t.home)
+        .into_iter()
+        .map(|v| v.title)
+        .collect();
+    assert_eq!(
+        titles,
+        ["tine-vmm m"],
+        "checkpoint templates end with their checkpoint"
+    );
+}
+
+#[test]
+fn test_snapshot_to_a_directory_and_run_from_it() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("snapshot");
+    memtouch(&t, "s");
+    let s1 = touch(&t, "s", 8, 7);
+    let dir = tempfile::tempdir().expect("a directory");
+    let snap = dir.path().join("snap");
+    let res = t.operation_ok(
+        "/v1/vms/s/snapshot",
+        json!({"dir": snap.display().to_string()}),
+    );
+    assert_eq!(res["name"], "s");
+    assert_eq!(res["dir"], snap.display().to_string());
+    assert!(
+        snap.join("manifest.json").is_file(),
+        "the snapshot is written"
+    );
+    // The vm goes on.
+    touch(&t, "s", 8, 8);
+
+    let r = t
+        .post(
+            "/v1/vms",
+            json!({"name": "r", "from": snap.display().to_string(), "no_agent": true}),
+        )
+        .expect(201);
+    assert_eq!(r["name"], "r");
+    assert_eq!(sum(&t, "r", 8), s1, "restored at the snapshot's moment");
+
+    // Not twice into one directory; not a relative one; not of a vm that is not there.
+    let op = t.operation(
+        "/v1/vms/s/snapshot",
+        json!({"dir": snap.display().to_string()}),
+    );
+    assert_eq!(op["state"], "failed", "{op}");
+    assert_eq!(op["status"], 409, "{op}");
+    assert_eq!(op["error"]["code"], "conflict", "{op}");
+    t.post("/v1/vms/s/snapshot", json!({"dir": "rel/dir"}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/vms/s/snapshot", json!({}))
+        .expect_error(400, "invalid_input");
+    t.post(
+        "/v1/vms",
+        json!({"name": "r2", "from": dir.path().join("none").display().to_string(), "no_agent": true}),
+    )
+    .expect_error(404, "not_found");
+    assert_eq!(
+        t.states(),
+        [
+            ("r".to_string(), "running".to_string()),
+            ("s".into(), "running".into())
+        ]
+    );
+}
+
+// ------------------------------------------------------------------ the tree
+
+#[test]
+fn test_sleep_wake_tree_rm_branch_and_gc() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("tree");
+    let first = memtouch(&t, "w");
+    let s1 = touch(&t, "w", 8, 5);
+
+    // sleep: 202 with an operation; its event stream ends with `done`.
+    let r = t.post("/v1/vms/w/sleep", json!({}));
+    let op = r.expect(202);
+    assert_eq!(op["kind"], "sleep");
+    assert_eq!(op["target"], "w");
+    let id = op["id"].as_str().expect("an id").to_string();
+    assert_eq!(r.header("location"), Some(format!("/v1/operations/{id}")));
+    let stream = t.sse(&format!("/v1/operations/{id}/events"));
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.content_type.as_deref(), Some("text/event-stream"));
+    let events = stream.until(Duration::from_secs(60), |ev, _| ev == "done");
+    let (_, done) = events.last().expect("a done event");
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["result"]["branch"], "w", "{done}");
+    assert!(done["result"]["snapshot"].as_i64().is_some(), "{done}");
+    for (ev, v) in &events[..events.len() - 1] {
+        assert_eq!(ev, "progress", "only progress before done: {v}");
+    }
+    // Polling says the same.
+    let polled = t.get(&format!("/v1/operations/{id}")).expect(200);
+    assert_eq!(polled["state"], "succeeded");
+    assert_eq!(polled["result"], done["result"]);
+    let ops = t.get("/v1/operations").expect(200);
+    assert!(
+        ops.as_array()
+            .expect("a list")
+            .iter()
+            .any(|o| o["id"] == id.as_str()),
+        "{ops}"
+    );
+    assert!(
+        wait_gone(&[pid_of(&first)]).is_empty(),
+        "a sleeping vm has no process"
+    );
+    t.get("/v1/vms/w").expect_error(404, "not_found");
+    let branches = t.get("/v1/branches").expect(200);
+    let w: Vec<&Value> = branches
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|b| b["name"] == "w")
+        .collect();
+    assert_eq!(w.len(), 1, "{branches}");
+    assert_eq!(w[0]["state"], "sleeping");
+
+    // wake: the vm continues with its memory.
+    let res = t.operation_ok("/v1/branches/w/wake", json!({}));
+    assert_eq!(res["name"], "w");
+    assert_eq!(t.get("/v1/vms/w").expect(200)["state"], "running");
+    assert_eq!(sum(&t, "w", 8), s1, "woken with its memory");
+    // A woken branch is not woken twice.
+    t.post("/v1/branches/w/wake", json!({}))
+        .expect_error(409, "conflict");
+    // DELETE /v1/branches/NAME removes branches, not vms.
+    t.delete("/v1/branches/w").expect_error(409, "conflict");
+
+    // Sleep again; a lazy wake under another name starts a new branch.
+    t.operation_ok("/v1/vms/w/sleep", json!({}));
+    let res = t.operation_ok("/v1/branches/w/wake", json!({"name": "w2", "lazy": true}));
+    assert_eq!(res["name"], "w2");
+    assert_eq!(sum(&t, "w2", 8), s1, "a lazy wake pages the same memory in");
+
+    // The tree: the snapshot, the sleeping branch, the running vm.
+    let tree = t.get("/v1/tree").expect(200);
+    let nodes = tree["nodes"].as_array().expect("nodes");
+    let kind_of = |id: &str| {
+        nodes
+            .iter()
+            .find(|n| n["id"] == id)
+            .map(|n| (n["kind"].clone(), n["state"].clone()))
+    };
+    assert_eq!(
+        kind_of("branch:w"),
+        Some((json!("branch"), json!("sleeping"))),
+        "{tree}"
+    );
+    assert_eq!(
+        kind_of("vm:w2"),
+        Some((json!("vm"), json!("running"))),
+        "{tree}"
+    );
+    assert!(
+        nodes.iter().any(|n| n["kind"] == "snapshot"),
+        "a snapshot node: {tree}"
+    );
+    assert!(
+        tree["store"]["stored_bytes"].as_u64().unwrap_or(0) > 0,
+        "{tree}"
+    );
+    let store = t.get("/v1/tree/store").expect(200);
+    assert!(
+        store["snapshots"].is_array() || store.is_object(),
+        "{store}"
+    );
+    assert!(t.get("/v1/snapshots").expect(200).is_array());
+
+    // Unknown names; a bad new name: refused at once, nothing starts.
+    t.post("/v1/vms/nope/sleep", json!({}))
+        .expect_error(404, "not_found");
+    t.post("/v1/branches/nope/wake", json!({}))
+        .expect_error(404, "not_found");
+    t.post("/v1/branches/w/wake", json!({"name": "../x"}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/branches/w/wake", json!({"name": "w2"}))
+        .expect_error(409, "conflict");
+
+    // rm of a branch; then gc reclaims what only it held.
+    let rm = t.delete("/v1/branches/w").expect(200);
+    assert_eq!(rm["what"], "branch");
+    t.delete("/v1/branches/w").expect_error(404, "not_found");
+    let gc = t.operation_ok("/v1/gc", json!({}));
+    assert!(gc["store"].is_object(), "{gc}");
+    // w2 still runs, from its own branch.
+    assert_eq!(sum(&t, "w2", 8), s1);
+    assert_eq!(t.states(), [("w2".to_string(), "running".to_string())]);
+
+    // Unknown operations.
+    t.get("/v1/operations/op-nope")
+        .expect_error(404, "not_found");
+    t.get("/v1/operations/op-nope/events")
+        .expect_error(404, "not_found");
+}
