@@ -72,24 +72,62 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// How much of a body over the limit is still read (and dropped) before
+/// the 413 is sent, so that a client still sending it reads the answer
+/// instead of a reset connection.
+const DRAIN: usize = 16 << 20;
+
+/// How long that may take.
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The body of `req`, at most `limit` bytes.
 pub async fn read_limited<S: Send + Sync>(
     req: Request,
-    state: &S,
+    _state: &S,
     limit: usize,
 ) -> ApiResult<Bytes> {
-    let req = req.map(|b| axum::body::Body::new(http_body_util::Limited::new(b, limit)));
-    Bytes::from_request(req, state).await.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "too_large",
-                format!("the request body is larger than {limit} bytes"),
-            )
-        } else {
-            ApiError::invalid(format!("cannot read the request body: {e}"))
+    use http_body_util::BodyExt;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("the request body is larger than {limit} bytes"),
+        )
+    };
+    let announced = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut body = req.into_body();
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| ApiError::invalid(format!("cannot read the request body: {e}")))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if buf.len() + data.len() > limit {
+            let mut seen = buf.len() + data.len();
+            let hopeless = announced.is_some_and(|n| n > (limit + DRAIN) as u64);
+            if !hopeless {
+                let _ = tokio::time::timeout(DRAIN_TIME, async {
+                    while seen <= limit + DRAIN {
+                        match body.frame().await {
+                            Some(Ok(f)) => {
+                                seen += f.data_ref().map(|d| d.len()).unwrap_or(0);
+                            }
+                            _ => break,
+                        }
+                    }
+                })
+                .await;
+            }
+            return Err(too_large());
         }
-    })
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf.freeze())
 }
 
 /// Parses a JSON body; an empty body is `{}`.
