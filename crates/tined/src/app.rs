@@ -802,15 +802,21 @@ pub async fn list_images(State(s): State<Shared>) -> ApiResult<Json<serde_json::
 
 #[utoipa::path(post, path = "/v1/images", tag = "images",
     request_body = crate::images::BuildSpec,
-    responses((status = 202, body = Operation, description = "result: the image manifest")))]
+    responses((status = 202, body = Operation, description = "result: the image manifest"),
+        (status = 400, body = ErrorBody)))]
 pub async fn build_image(
     State(s): State<Shared>,
     JsonBody(spec): JsonBody<crate::images::BuildSpec>,
-) -> Response {
+) -> ApiResult<Response> {
+    crate::images::check(&spec)?;
     let target = spec.kind.clone();
-    start_operation(&s, "image_build", target, "image.built", move |h, p| {
-        crate::images::build(&h.home, &spec, p)
-    })
+    Ok(start_operation(
+        &s,
+        "image_build",
+        target,
+        "image.built",
+        move |h, p| crate::images::build(&h.home, &spec, p),
+    ))
 }
 
 // --- the effects gateway ---

@@ -40,18 +40,35 @@ pub fn list(home: &Path) -> serde_json::Value {
     serde_json::Value::Array(out)
 }
 
-/// Builds `spec` in a child process and returns its manifest.
-pub fn build(
-    home: &Path,
-    spec: &BuildSpec,
-    progress: &dyn store::Progress,
-) -> host::Result<serde_json::Value> {
+/// What can be checked before a build starts: the kind, and that the
+/// files named are absolute paths (tined's working directory means
+/// nothing to a client).
+pub fn check(spec: &BuildSpec) -> host::Result<()> {
     if !matches!(spec.kind.as_str(), "minimal" | "debian") {
         return Err(host::Error::invalid(format!(
             "image kind {:?}: say minimal or debian",
             spec.kind
         )));
     }
+    for (what, p) in [("agent", &spec.agent), ("kernel", &spec.kernel)] {
+        if let Some(p) = p {
+            if !Path::new(p).is_absolute() {
+                return Err(host::Error::invalid(format!(
+                    "the {what} must be an absolute path, not {p:?}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Builds `spec` in a child process and returns its manifest.
+pub fn build(
+    home: &Path,
+    spec: &BuildSpec,
+    progress: &dyn store::Progress,
+) -> host::Result<serde_json::Value> {
+    check(spec)?;
     let exe = std::env::current_exe()
         .map_err(|e| host::Error::internal(format!("cannot find tined's executable: {e}")))?;
     let mut cmd = std::process::Command::new(exe);
