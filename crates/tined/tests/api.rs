@@ -502,3 +502,272 @@ fn test_sleep_wake_tree_rm_branch_and_gc() {
     t.get("/v1/operations/op-nope/events")
         .expect_error(404, "not_found");
 }
+
+// ------------------------------------------------------------------ bad input
+
+#[test]
+fn test_bad_input_is_a_clear_4xx_and_changes_nothing() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("bad");
+    counter(&t, "v");
+    let before = t.snapshot_state();
+    let procs = vmm_processes(&t.home);
+
+    // Unknown vm, on every verb that names one.
+    for (method, path, body) in [
+        ("GET", "/v1/vms/nope", json!(null)),
+        ("DELETE", "/v1/vms/nope?force=true", json!(null)),
+        ("POST", "/v1/vms/nope/stop", json!({})),
+        ("POST", "/v1/vms/nope/kill", json!({})),
+        ("POST", "/v1/vms/nope/fork", json!({"count": 1})),
+        ("GET", "/v1/vms/nope/checkpoints", json!(null)),
+        ("POST", "/v1/vms/nope/checkpoints", json!({})),
+        ("DELETE", "/v1/vms/nope/checkpoints/t1", json!(null)),
+        ("POST", "/v1/vms/nope/rollback", json!({"tag": "t1"})),
+        (
+            "POST",
+            "/v1/vms/nope/snapshot",
+            json!({"dir": "/tmp/tined-never"}),
+        ),
+        ("POST", "/v1/vms/nope/sleep", json!({})),
+        ("GET", "/v1/vms/nope/console", json!(null)),
+        ("POST", "/v1/vms/nope/console", json!({"line": "ping"})),
+        ("GET", "/v1/vms/nope/disks", json!(null)),
+        ("GET", "/v1/vms/nope/contract", json!(null)),
+        ("POST", "/v1/vms/nope/exec", json!({"argv": ["true"]})),
+        ("GET", "/v1/vms/nope/files?path=/etc/hostname", json!(null)),
+        ("DELETE", "/v1/branches/nope", json!(null)),
+        ("POST", "/v1/branches/nope/wake", json!({})),
+    ] {
+        let body = if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        };
+        let r = t.req(method, path, &[], body);
+        assert_eq!(r.status, 404, "{method} {path}: {}", r.text());
+        let m = r.expect_error(404, "not_found");
+        assert!(
+            m.contains("nope"),
+            "{method} {path}: the message names it: {m}"
+        );
+    }
+
+    // No such endpoint; a method a path does not take.
+    let m = t.get("/v1/nothing").expect_error(404, "not_found");
+    assert!(m.contains("/v1/nothing"), "{m}");
+    let r = t.req("PATCH", "/v1/vms", &[], Vec::new());
+    let m = r.expect_error(405, "method_not_allowed");
+    assert!(m.contains("PATCH"), "{m}");
+    assert!(
+        r.header("allow").is_some_and(|a| a.contains("POST")),
+        "{:?}",
+        r.headers
+    );
+    t.req("PUT", "/v1/vms/v/fork", &[], Vec::new())
+        .expect_error(405, "method_not_allowed");
+
+    // Malformed JSON, wrong types, missing fields, a non-object.
+    let raw = |path: &str, body: &str| t.req("POST", path, &[], body.as_bytes().to_vec());
+    for (path, body) in [
+        ("/v1/vms", "{bad"),
+        ("/v1/vms", "{\"name\": 3}"),
+        ("/v1/vms", "{}"),
+        ("/v1/vms", "[1, 2]"),
+        ("/v1/vms", "\"a string\""),
+        ("/v1/vms", "{\"name\": \"x\", \"mem_mib\": -5}"),
+        ("/v1/vms/v/fork", "{\"count\": \"two\"}"),
+        ("/v1/vms/v/fork", "nul"),
+        ("/v1/vms/v/rollback", "{}"),
+        ("/v1/vms/v/checkpoints", "{\"tag\": 7}"),
+        ("/v1/vms/v/snapshot", "{}"),
+        ("/v1/vms/v/console", "{}"),
+        ("/v1/vms/v/exec", "{\"argv\": []}"),
+        ("/v1/branches/v/wake", "{\"lazy\": \"yes\"}"),
+    ] {
+        let r = raw(path, body);
+        assert_eq!(r.status, 400, "POST {path} {body}: {}", r.text());
+        r.expect_error(400, "invalid_input");
+    }
+    // Query strings that do not parse.
+    t.delete("/v1/vms/v?force=maybe")
+        .expect_error(400, "invalid_input");
+    t.get("/v1/operations/x?wait=soon")
+        .expect_error(400, "invalid_input");
+    t.get("/v1/vms/v/files").expect_error(400, "invalid_input");
+    t.get("/v1/vms/%FF").expect_error(400, "invalid_input");
+
+    // Too large: 413 (a 5 MB body; the limit is 4 MiB).
+    let big = format!("{{\"name\": \"{}\"}}", "x".repeat(5 << 20));
+    let m = raw("/v1/vms", &big).expect_error(413, "too_large");
+    assert!(m.contains("bytes"), "{m}");
+    raw("/v1/vms/v/fork", &big).expect_error(413, "too_large");
+    raw("/v1/vms/v/checkpoints", &big).expect_error(413, "too_large");
+
+    // Names that would leave the home: in the path and in the body.
+    for name in [
+        "..%2Fx",
+        "a%2Fb",
+        "..",
+        ".hidden",
+        "a%00b",
+        "%2Fetc%2Fpasswd",
+    ] {
+        t.get(&format!("/v1/vms/{name}"))
+            .expect_error(400, "invalid_input");
+        t.delete(&format!("/v1/vms/{name}?force=true"))
+            .expect_error(400, "invalid_input");
+        t.post(&format!("/v1/vms/{name}/fork"), json!({"count": 1}))
+            .expect_error(400, "invalid_input");
+        t.delete(&format!("/v1/vms/v/checkpoints/{name}"))
+            .expect_error(400, "invalid_input");
+        t.delete(&format!("/v1/branches/{name}"))
+            .expect_error(400, "invalid_input");
+    }
+    for name in ["../x", "a/b", "/abs", "", "x\u{0}y", &"n".repeat(49)] {
+        t.post(
+            "/v1/vms",
+            json!({"name": name, "image": "micro-counter", "no_agent": true}),
+        )
+        .expect_error(400, "invalid_input");
+        t.post("/v1/vms/v/fork", json!({"names": [name]}))
+            .expect_error(400, "invalid_input");
+        t.post("/v1/vms/v/checkpoints", json!({"tag": name}))
+            .expect_error(400, "invalid_input");
+        t.post("/v1/vms/v/rollback", json!({"tag": name}))
+            .expect_error(400, "invalid_input");
+    }
+    // Paths a client gives are absolute; images and snapshots that are
+    // not there are not found.
+    for spec in [
+        json!({"name": "z", "image": "../../etc", "no_agent": true}),
+        json!({"name": "z", "kernel": "vmlinux", "no_agent": true}),
+        json!({"name": "z", "from": "snap", "no_agent": true}),
+        json!({"name": "z", "image": "micro-counter", "disks": ["disk.raw"], "no_agent": true}),
+    ] {
+        t.post("/v1/vms", spec).expect_error(400, "invalid_input");
+    }
+    t.post(
+        "/v1/vms",
+        json!({"name": "z", "image": "no-such-image", "no_agent": true}),
+    )
+    .expect_error(404, "not_found");
+    t.post(
+        "/v1/vms",
+        json!({"name": "z", "image": "micro-nothing", "no_agent": true}),
+    )
+    .expect_error(404, "not_found");
+    t.post(
+        "/v1/vms",
+        json!({"name": "z", "from": "/nonexistent/snap", "no_agent": true}),
+    )
+    .expect_error(404, "not_found");
+    t.post(
+        "/v1/vms",
+        json!({"name": "z", "kernel": "/nonexistent/vmlinux", "no_agent": true}),
+    )
+    .expect_error(400, "invalid_input");
+    t.post(
+        "/v1/vms",
+        json!({"name": "z", "image": "micro-counter", "no_agent": true, "vcpus": 0}),
+    )
+    .expect_error(400, "invalid_input");
+    t.post(
+        "/v1/vms",
+        json!({"name": "z", "image": "micro-counter", "no_agent": true, "mem_mib": 1}),
+    )
+    .expect_error(400, "invalid_input");
+    // A name that is taken.
+    t.post(
+        "/v1/vms",
+        json!({"name": "v", "image": "micro-counter", "no_agent": true}),
+    )
+    .expect_error(409, "conflict");
+    // A contract that does not parse.
+    t.put(
+        "/v1/vms/v/contract",
+        json!({"toml": "this is = = not toml"}),
+    )
+    .expect_error(400, "invalid_input");
+    t.post("/v1/vms/v/fork", json!({"count": 1, "contract": "[[[bad"}))
+        .expect_error(400, "invalid_input");
+
+    // Guest files and exec: bad guest paths first, then: this vm has no agent.
+    for p in [
+        "../etc/passwd",
+        "etc/passwd",
+        "/a/../../etc/passwd",
+        "/a%00b",
+    ] {
+        t.get(&format!("/v1/vms/v/files?path={p}"))
+            .expect_error(400, "invalid_input");
+        t.req(
+            "PUT",
+            &format!("/v1/vms/v/files?path={p}"),
+            &[],
+            b"x".to_vec(),
+        )
+        .expect_error(400, "invalid_input");
+    }
+    t.req(
+        "PUT",
+        "/v1/vms/v/files?path=/tmp/x&mode=999",
+        &[],
+        b"x".to_vec(),
+    )
+    .expect_error(400, "invalid_input");
+    let m = t
+        .post("/v1/vms/v/exec", json!({"argv": ["uname"]}))
+        .expect_error(400, "invalid_input");
+    assert!(m.contains("agent"), "{m}");
+    let m = t
+        .get("/v1/vms/v/files?path=/etc/hostname")
+        .expect_error(400, "invalid_input");
+    assert!(m.contains("agent"), "{m}");
+    t.req("PUT", "/v1/vms/v/files?path=/tmp/x", &[], b"hello".to_vec())
+        .expect_error(400, "invalid_input");
+    t.req(
+        "POST",
+        "/v1/vms/v/attach",
+        &[("connection", "upgrade"), ("upgrade", "tine-agent")],
+        Vec::new(),
+    )
+    .expect_error(400, "invalid_input");
+    t.post("/v1/vms/v/attach", json!({}))
+        .expect_error(400, "invalid_input");
+    // Idempotency keys that are not one.
+    let long = "k".repeat(1000);
+    t.req(
+        "POST",
+        "/v1/vms/v/fork",
+        &[("idempotency-key", long.as_str())],
+        json!({"count": 1}).to_string().into_bytes(),
+    )
+    .expect_error(400, "invalid_input");
+    // Others.
+    t.post("/v1/gateway", json!({"action": "explode"}))
+        .expect_error(400, "invalid_input");
+    t.post("/v1/images", json!({"kind": "windows"}))
+        .expect_error(400, "invalid_input");
+    t.post(
+        "/v1/images",
+        json!({"kind": "minimal", "agent": "rel/agent"}),
+    )
+    .expect_error(400, "invalid_input");
+
+    assert_eq!(t.snapshot_state(), before, "bad requests change nothing");
+    assert_eq!(
+        vmm_processes(&t.home),
+        procs,
+        "bad requests start or end no process"
+    );
+    // The vm is unharmed.
+    let c = last_cnt(&t, "v");
+    t.wait_line("v", 0, |l| {
+        l.strip_prefix("CNT ")
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|n| n > c)
+    });
+}
