@@ -276,6 +276,14 @@ fn test_checkpoint_rollback_and_delete_checkpoint() {
         .expect(200);
     assert_eq!(sum(&t, "m", 8), s1, "a rollback after gc");
 
+    // And after a restart of tined (whose reconcile sweeps too).
+    let mut t = t;
+    t.restart();
+    touch(&t, "m", 8, 5);
+    t.post("/v1/vms/m/rollback", json!({"tag": "t1"}))
+        .expect(200);
+    assert_eq!(sum(&t, "m", 8), s1, "a rollback after a restart of tined");
+
     t.post("/v1/vms/m/rollback", json!({"tag": "zz"}))
         .expect_error(404, "not_found");
     t.post("/v1/vms/m/rollback", json!({}))
@@ -770,4 +778,203 @@ fn test_bad_input_is_a_clear_4xx_and_changes_nothing() {
             .and_then(|n| n.parse::<u64>().ok())
             .is_some_and(|n| n > c)
     });
+}
+
+// ------------------------------------------------------------------ idempotency
+
+#[test]
+fn test_idempotency_keys_on_run_and_fork() {
+    if !kvm_available() {
+        return;
+    }
+    let mut t = Tined::start("idem");
+    let spec = json!({"name": "i", "image": "micro-counter", "mem_mib": 64, "no_agent": true});
+    let body = spec.to_string().into_bytes();
+    let k = [("idempotency-key", "run-1")];
+    let first = t.req("POST", "/v1/vms", &k, body.clone());
+    let a = first.expect(201);
+    assert_eq!(first.header("idempotent-replay"), None);
+    let again = t.req("POST", "/v1/vms", &k, body.clone());
+    assert_eq!(again.expect(201), a, "a repeat gets the first answer");
+    assert_eq!(again.header("idempotent-replay").as_deref(), Some("true"));
+    assert_eq!(t.states(), [("i".to_string(), "running".to_string())]);
+    let vmms = vmm_processes(&t.home);
+    assert_eq!(vmms.len(), 1, "one vm, one process: {vmms:?}");
+    // The same key with another request: 422, nothing runs.
+    let other = json!({"name": "i2", "image": "micro-counter", "mem_mib": 64, "no_agent": true});
+    t.req("POST", "/v1/vms", &k, other.to_string().into_bytes())
+        .expect_error(422, "conflict");
+    t.get("/v1/vms/i2").expect_error(404, "not_found");
+    // Without a key the same request is a new one: the name is taken.
+    t.req("POST", "/v1/vms", &[], body.clone())
+        .expect_error(409, "conflict");
+    // A failed first answer is replayed too, and runs nothing.
+    let bad = [("idempotency-key", "run-bad")];
+    let e1 = t.req("POST", "/v1/vms", &bad, body.clone());
+    e1.expect_error(409, "conflict");
+    let e2 = t.req("POST", "/v1/vms", &bad, body.clone());
+    assert_eq!(e2.status, 409);
+    assert_eq!(e2.json(), e1.json());
+
+    // fork: same key, same children; no second fork.
+    t.wait_line("i", 0, |l| l.starts_with("CNT 1"));
+    let fk = [("idempotency-key", "fork-1")];
+    let fork = json!({"count": 2}).to_string().into_bytes();
+    let f1 = t
+        .req("POST", "/v1/vms/i/fork", &fk, fork.clone())
+        .expect(200);
+    assert_eq!(f1["names"], json!(["i-1", "i-2"]));
+    let r2 = t.req("POST", "/v1/vms/i/fork", &fk, fork.clone());
+    assert_eq!(r2.expect(200), f1);
+    assert_eq!(r2.header("idempotent-replay").as_deref(), Some("true"));
+    assert_eq!(
+        t.states()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
+        ["i", "i-1", "i-2"],
+        "no second fork"
+    );
+    t.req(
+        "POST",
+        "/v1/vms/i/fork",
+        &fk,
+        json!({"count": 3}).to_string().into_bytes(),
+    )
+    .expect_error(422, "conflict");
+    // The key belongs to the request (path included): the same key on another vm's fork.
+    t.req("POST", "/v1/vms/i-1/fork", &fk, fork.clone())
+        .expect_error(422, "conflict");
+
+    // Concurrent repeats of one key: one fork, everyone gets its answer.
+    let ck = [("idempotency-key", "fork-2")];
+    let answers: Vec<Value> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..3)
+            .map(|_| {
+                sc.spawn(|| {
+                    t.req("POST", "/v1/vms/i/fork", &ck, fork.clone())
+                        .expect(200)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("a thread"))
+            .collect()
+    });
+    assert!(answers.windows(2).all(|w| w[0] == w[1]), "{answers:?}");
+    assert_eq!(answers[0]["names"], json!(["i-3", "i-4"]));
+    assert_eq!(t.states().len(), 5, "{:?}", t.states());
+
+    // Answers survive a restart of tined (kept in the home): a retry
+    // after it does not fork again.
+    t.restart();
+    let r3 = t.req("POST", "/v1/vms/i/fork", &fk, fork.clone());
+    assert_eq!(r3.expect(200), f1);
+    assert_eq!(r3.header("idempotent-replay").as_deref(), Some("true"));
+    assert_eq!(t.states().len(), 5, "{:?}", t.states());
+}
+
+// ------------------------------------------------------------------ concurrency
+
+#[test]
+fn test_concurrent_operations_on_one_vm() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("concurrent");
+    counter(&t, "c");
+
+    // Two forks at once: both succeed (one after the other), four children.
+    let (a, b) = std::thread::scope(|sc| {
+        let a = sc.spawn(|| t.post("/v1/vms/c/fork", json!({"count": 2})));
+        let b = sc.spawn(|| t.post("/v1/vms/c/fork", json!({"count": 2})));
+        (a.join().expect("a"), b.join().expect("b"))
+    });
+    let mut names = Vec::new();
+    for r in [&a, &b] {
+        // Serialized by the vm's lock: both succeed (busy, 409, only after 120 s).
+        let v = r.expect(200);
+        for res in v["results"].as_array().expect("results") {
+            assert_eq!(res["ok"], true, "{v}");
+            names.push(res["name"].as_str().expect("a name").to_string());
+        }
+    }
+    names.sort();
+    assert_eq!(names, ["c-1", "c-2", "c-3", "c-4"], "distinct children");
+    let states = t.states();
+    assert_eq!(states.len(), 5, "{states:?}");
+    assert!(states.iter().all(|(_, s)| s == "running"), "{states:?}");
+    // Each child is its own process, and there is no other.
+    let procs = vmm_processes(&t.home);
+    assert_eq!(procs.len(), 5, "{procs:?}");
+
+    // fork and rm at once: the rm waits for the fork (or the fork finds
+    // no vm); either way nothing is half done.
+    let parent_pid = pid_of(&t.get("/v1/vms/c").expect(200));
+    let (f, rm) = std::thread::scope(|sc| {
+        let f = sc.spawn(|| t.post("/v1/vms/c/fork", json!({"names": ["f1", "f2"]})));
+        let rm = sc.spawn(|| t.delete("/v1/vms/c?force=true"));
+        (f.join().expect("fork"), rm.join().expect("rm"))
+    });
+    rm.expect(200);
+    assert!(wait_gone(&[parent_pid]).is_empty(), "the parent ended");
+    t.get("/v1/vms/c").expect_error(404, "not_found");
+    match f.status {
+        200 => {
+            for c in ["f1", "f2"] {
+                assert_eq!(
+                    t.get(&format!("/v1/vms/{c}")).expect(200)["state"],
+                    "running"
+                );
+            }
+        }
+        404 => {
+            f.expect_error(404, "not_found");
+            t.get("/v1/vms/f1").expect_error(404, "not_found");
+        }
+        s => panic!("fork during rm: {s} {}", f.text()),
+    }
+    // Records and processes agree: one process per running vm.
+    let running: Vec<u64> = t
+        .get("/v1/vms")
+        .expect(200)
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|v| v["state"] == "running")
+        .map(pid_of)
+        .collect();
+    let mut pids: Vec<u64> = vmm_processes(&t.home)
+        .iter()
+        .map(|v| u64::from(v.pid))
+        .collect();
+    pids.sort_unstable();
+    let mut want = running.clone();
+    want.sort_unstable();
+    assert_eq!(
+        pids, want,
+        "no process without a vm, no vm without a process"
+    );
+
+    // Two runs of one name at once: one wins, the other is a clear 409,
+    // and only one process runs.
+    let spec = json!({"name": "dup", "image": "micro-counter", "mem_mib": 64, "no_agent": true});
+    let rs: Vec<common::Resp> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..3)
+            .map(|_| sc.spawn(|| t.post("/v1/vms", spec.clone())))
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("run")).collect()
+    });
+    let won: Vec<&common::Resp> = rs.iter().filter(|r| r.status == 201).collect();
+    assert_eq!(won.len(), 1, "one run wins: {rs:?}");
+    for r in rs.iter().filter(|r| r.status != 201) {
+        let m = r.expect_error(409, "conflict");
+        assert!(m.contains("dup"), "{m}");
+    }
+    let dups: Vec<_> = vmm_processes(&t.home)
+        .into_iter()
+        .filter(|v| v.title == "tine-vmm dup")
+        .collect();
+    assert_eq!(dups.len(), 1, "no leaked process: {dups:?}");
+    assert_eq!(u64::from(dups[0].pid), pid_of(&won[0].json()));
 }

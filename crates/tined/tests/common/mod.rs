@@ -615,6 +615,23 @@ impl Tined {
         op["result"].clone()
     }
 
+    /// Kills tined and starts a new one on the same home (which adopts
+    /// the vms that kept running).
+    pub fn restart(&mut self) {
+        self.kill();
+        let args: Vec<String> = match &self.tcp {
+            Some((a, _)) => vec![
+                "--tcp".into(),
+                a.to_string(),
+                "--token-file".into(),
+                self.home.join("token").display().to_string(),
+            ],
+            None => Vec::new(),
+        };
+        self.child = Some(spawn(&self.home, &args));
+        self.wait_healthy();
+    }
+
     /// Ends tined (SIGKILL) and waits for it; the vms keep running.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
