@@ -200,6 +200,27 @@ fn daemon(
             &pid.to_string(),
             serde_json::json!({ "status": status.to_string() }),
         );
+        // The process a vm's record names: unless an operation moves the
+        // vm to another process (a rollback) or removes it (rm, sleep),
+        // that vm no longer runs. Told after the operation on it ends,
+        // from a thread of its own: the reaper must not wait for a lock
+        // whose holder may be waiting for the reaper.
+        if let Some(name) = vm_of(&st.host.home, pid) {
+            let st = st.clone();
+            let _ = std::thread::Builder::new()
+                .name("vm-exited".into())
+                .spawn(move || {
+                    let home = &st.host.home;
+                    drop(host::lock::acquire(home, &name, Duration::from_secs(10)));
+                    if vm_of(home, pid).as_deref() == Some(name.as_str()) {
+                        st.events.emit(
+                            "vm.exited",
+                            &name,
+                            serde_json::json!({ "pid": pid, "status": status.to_string() }),
+                        );
+                    }
+                });
+        }
     })?;
     let report = host::reconcile::reconcile(&h)?;
     tracing::info!(
@@ -245,6 +266,17 @@ fn daemon(
     // Blocking operations still running are abandoned with the process;
     // their intents are reconciled by the next tined.
     std::process::exit(0);
+}
+
+/// The vm whose record names `pid` as its VMM. A fork or rollback points
+/// the record at the new process before the old one ends, so the old one
+/// is no vm's.
+fn vm_of(home: &std::path::Path, pid: u32) -> Option<String> {
+    host::state::list(home)
+        .ok()?
+        .into_iter()
+        .find(|vm| vm.read_record().is_ok_and(|r| r.pid == pid))
+        .map(|vm| vm.name)
 }
 
 /// Refuses new requests and waits (at most 5 minutes) until the ones in
