@@ -978,3 +978,210 @@ fn test_concurrent_operations_on_one_vm() {
     assert_eq!(dups.len(), 1, "no leaked process: {dups:?}");
     assert_eq!(u64::from(dups[0].pid), pid_of(&won[0].json()));
 }
+
+// ------------------------------------------------------------------ events, metrics
+
+#[test]
+fn test_event_stream_shows_the_lifecycle() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("events");
+    let events = t.sse("/v1/events");
+    assert_eq!(events.status, 200);
+    assert_eq!(events.content_type.as_deref(), Some("text/event-stream"));
+    memtouch(&t, "e");
+    t.post("/v1/vms/e/fork", json!({"names": ["e1"]}))
+        .expect(200);
+    t.post("/v1/vms/e/checkpoints", json!({"tag": "t"}))
+        .expect(201);
+    t.post("/v1/vms/e/rollback", json!({"tag": "t"}))
+        .expect(200);
+    t.delete("/v1/vms/e/checkpoints/t").expect(200);
+    t.operation_ok("/v1/vms/e1/sleep", json!({}));
+    t.operation_ok("/v1/branches/e1/wake", json!({}));
+    t.delete("/v1/vms/e1?force=true").expect(200);
+    t.delete("/v1/vms/e?force=true").expect(200);
+
+    let want = [
+        ("vm.started", "e"),
+        ("vm.forked", "e"),
+        ("vm.checkpointed", "e"),
+        ("vm.rolled_back", "e"),
+        ("checkpoint.removed", "e@t"),
+        ("vm.slept", "e1"),
+        ("branch.woken", "e1"),
+        ("vm.removed", "e1"),
+        ("vm.removed", "e"),
+    ];
+    let seen = events.until(Duration::from_secs(30), |ev, v| {
+        ev == "vm.removed" && v["subject"] == "e"
+    });
+    // Every event: its type as the SSE event name, a seq that increases.
+    let mut last = 0;
+    for (ev, v) in &seen {
+        assert_eq!(v["type"], ev.as_str(), "{v}");
+        let seq = v["seq"].as_u64().expect("a seq");
+        assert!(seq > last, "seq increases: {seen:?}");
+        last = seq;
+        assert!(v["ts_ms"].as_u64().is_some(), "{v}");
+    }
+    // The lifecycle, in order (other events, process exits and operations, between).
+    let lifecycle: Vec<(String, String)> = seen
+        .iter()
+        .filter(|(ev, _)| !ev.starts_with("process.") && !ev.starts_with("operation."))
+        .map(|(ev, v)| {
+            (
+                ev.clone(),
+                v["subject"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    assert_eq!(lifecycle, want, "all events: {seen:#?}");
+    let forked = seen
+        .iter()
+        .find(|(ev, _)| ev == "vm.forked")
+        .map(|(_, v)| v["detail"]["children"].clone());
+    assert_eq!(forked, Some(json!(["e1"])));
+    assert!(
+        seen.iter()
+            .any(|(ev, v)| ev == "operation.finished" && v["detail"]["kind"] == "sleep"),
+        "{seen:#?}"
+    );
+    // (No vm.exited above: a fork, checkpoint or rollback moves the vm to
+    // a new process, a sleep or rm removes it; that the old process ends
+    // is no vm's exit.)
+
+    // A guest that resets: its VMM ends; the event names the vm.
+    let x = memtouch(&t, "x");
+    t.post("/v1/vms/x/console", json!({"line": "reset"}))
+        .expect(204);
+    let seen = events.until(Duration::from_secs(20), |ev, v| {
+        ev == "vm.exited" && v["subject"] == "x"
+    });
+    let (_, ex) = seen.last().expect("vm.exited");
+    assert_eq!(ex["detail"]["pid"].as_u64(), Some(pid_of(&x)), "{ex}");
+    assert_ne!(t.get("/v1/vms/x").expect(200)["state"], "running");
+}
+
+/// The value of the sample `name` (with its labels, as written) in a
+/// Prometheus text exposition.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[test]
+fn test_metrics() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("metrics");
+    let r = t.get("/metrics");
+    let text = r.expect_text(200);
+    assert!(
+        r.header("content-type").is_some_and(|c| c.contains("text")),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(
+        metric(&text, "tine_fork_pause_seconds_count"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "tine_vms{state=\"running\"}"),
+        Some(0.0),
+        "{text}"
+    );
+
+    memtouch(&t, "p");
+    touch(&t, "p", 8, 1);
+    t.post("/v1/vms/p/fork", json!({"count": 3})).expect(200);
+    t.operation_ok("/v1/vms/p-3/sleep", json!({}));
+    t.operation_ok("/v1/branches/p-3/wake", json!({"name": "lz", "lazy": true}));
+    // The lazily woken vm pages memory in as it reads it.
+    touch(&t, "lz", 8, 2);
+    t.post("/v1/vms/p-1/kill", json!({})).expect(200);
+    // A failed wake is not a wake.
+    t.post("/v1/branches/p-3/wake", json!({"name": "p"}))
+        .expect_error(409, "conflict");
+
+    let text = t.get("/metrics").expect_text(200);
+    for h in ["tine_fork_pause_seconds", "tine_fork_child_running_seconds"] {
+        assert!(
+            text.contains(&format!("# TYPE {h} histogram")),
+            "{h}: {text}"
+        );
+        assert_eq!(
+            metric(&text, &format!("{h}_count")),
+            Some(if h.contains("child") { 3.0 } else { 1.0 }),
+            "{h}: {text}"
+        );
+        assert!(
+            metric(&text, &format!("{h}_sum")).is_some_and(|s| s > 0.0),
+            "{h}: {text}"
+        );
+        assert!(
+            metric(&text, &format!("{h}_bucket{{le=\"+Inf\"}}")).is_some(),
+            "{h} buckets: {text}"
+        );
+    }
+    assert_eq!(metric(&text, "tine_forks_total"), Some(1.0), "{text}");
+    assert_eq!(
+        metric(&text, "tine_wakes_total{kind=\"boot\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "tine_wakes_total{kind=\"child\"}"),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "tine_wakes_total{kind=\"branch\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    // p, p-2, lz run; p-1 was killed; p-3 sleeps.
+    assert_eq!(
+        metric(&text, "tine_vms{state=\"running\"}"),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "tine_vms{state=\"stopped\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "tine_vms{state=\"sleeping\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "tine_store_stored_bytes").is_some_and(|b| b > 0.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "tine_pagein_faults").is_some_and(|f| f > 0.0),
+        "a lazy wake faults pages in: {text}"
+    );
+    assert!(
+        metric(
+            &text,
+            "tine_api_requests_total{method=\"POST\",status=\"409\"}"
+        ) >= Some(1.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "tine_operations_total{kind=\"sleep.ok\"}") == Some(1.0),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
+}
