@@ -1185,3 +1185,127 @@ fn test_metrics() {
     );
     assert!(text.trim_end().ends_with("# EOF"), "{text}");
 }
+
+// ------------------------------------------------------------------ listeners
+
+#[test]
+fn test_tcp_listener_needs_the_bearer_token() {
+    if !kvm_available() {
+        return;
+    }
+    let token = "tok-0123456789abcdef-xyz";
+    let t = Tined::start_tcp("tcp", token);
+    let (addr, _) = t.tcp.clone().expect("a TCP listener");
+    let tcp = common::Addr::Tcp(addr);
+    let call = |method: &str, path: &str, auth: Option<&str>, body: Value| {
+        let h: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+        let b = if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        };
+        common::call(&tcp, method, path, &h, b).expect("an answer")
+    };
+    let run = json!({"name": "n", "image": "micro-counter", "mem_mib": 64, "no_agent": true});
+    let wrong_bearer = format!("Bearer {token}x");
+    let short_bearer = format!("Bearer {}", &token[..token.len() - 1]);
+    let basic = format!("Basic {token}");
+    for auth in [
+        None,
+        Some("Bearer nope"),
+        Some(wrong_bearer.as_str()),
+        Some(short_bearer.as_str()),
+        Some(basic.as_str()),
+        Some(token),
+        Some("Bearer"),
+    ] {
+        for (m, p, b) in [
+            ("GET", "/v1/vms", Value::Null),
+            ("GET", "/v1/health", Value::Null),
+            ("POST", "/v1/vms", run.clone()),
+            ("DELETE", "/v1/vms/n?force=true", Value::Null),
+            ("GET", "/v1/nothing", Value::Null),
+        ] {
+            let r = call(m, p, auth, b);
+            let msg = r.expect_error(401, "unauthorized");
+            assert!(msg.contains("Bearer"), "{msg}");
+            assert!(
+                r.header("www-authenticate")
+                    .is_some_and(|w| w.starts_with("Bearer")),
+                "{:?}",
+                r.headers
+            );
+        }
+    }
+    // Nothing was run.
+    assert_eq!(t.get("/v1/vms").expect(200), json!([]));
+
+    // The right token works (the scheme in any case).
+    let right = format!("Bearer {token}");
+    assert_eq!(
+        call("GET", "/v1/vms", Some(&right), Value::Null).expect(200),
+        json!([])
+    );
+    let lower = format!("bearer {token}");
+    assert_eq!(
+        call("GET", "/v1/health", Some(&lower), Value::Null).expect(200)["ok"],
+        true
+    );
+    call("POST", "/v1/vms", Some(&right), run).expect(201);
+    assert_eq!(t.states(), [("n".to_string(), "running".to_string())]);
+    call("DELETE", "/v1/vms/n?force=true", Some(&right), Value::Null).expect(200);
+    assert_eq!(t.get("/v1/vms").expect(200), json!([]));
+    assert!(
+        t.log().contains(&addr.to_string()),
+        "the log names the address"
+    );
+
+    // The socket is the owner's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(t.home.join("tined.sock"))
+        .expect("the socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+
+    // One tined per home: a second refuses, naming the first.
+    let out = std::process::Command::new(common::tined_bin())
+        .arg("--home")
+        .arg(&t.home)
+        .env("TINE_HOME", &t.home)
+        .output()
+        .expect("a second tined");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already serves") && err.contains(&t.pid().to_string()),
+        "{err}"
+    );
+    // The first still answers.
+    t.get("/v1/health").expect(200);
+
+    // A short token, or none, is refused at start.
+    let (_dir, home) = common::temp_home("tcp-short");
+    std::fs::write(home.join("token"), "short\n").expect("token");
+    for args in [
+        vec![
+            "--tcp".to_string(),
+            common::free_port().to_string(),
+            "--token-file".into(),
+            home.join("token").display().to_string(),
+        ],
+        vec!["--tcp".to_string(), common::free_port().to_string()],
+    ] {
+        let out = std::process::Command::new(common::tined_bin())
+            .arg("--home")
+            .arg(&home)
+            .args(&args)
+            .env("TINE_HOME", &home)
+            .env_remove("TINED_TOKEN")
+            .output()
+            .expect("tined");
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("16 or more characters"), "{err}");
+    }
+}
