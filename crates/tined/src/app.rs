@@ -171,7 +171,9 @@ pub async fn get_vm(
 #[utoipa::path(post, path = "/v1/vms", tag = "vms", request_body = host::vm::RunSpec,
     params(("Idempotency-Key" = Option<String>, Header, description = "Run once per key")),
     responses((status = 201, body = host::vm::RunReport), (status = 400, body = ErrorBody),
-        (status = 409, body = ErrorBody)))]
+        (status = 404, body = ErrorBody, description = "No such image, kernel or snapshot"),
+        (status = 409, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "The Idempotency-Key was used for another request")))]
 pub async fn run_vm(
     State(s): State<Shared>,
     headers: HeaderMap,
@@ -317,7 +319,8 @@ pub async fn kill_vm(
     params(("name" = String, Path),
         ("Idempotency-Key" = Option<String>, Header, description = "Fork once per key")),
     responses((status = 200, body = host::fork::ForkReport), (status = 400, body = ErrorBody),
-        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 422, body = ErrorBody, description = "The Idempotency-Key was used for another request")))]
 pub async fn fork_vm(
     State(s): State<Shared>,
     Path(name): Path<String>,
@@ -503,7 +506,8 @@ pub struct SnapshotSpec {
 
 #[utoipa::path(post, path = "/v1/vms/{name}/snapshot", tag = "moments",
     request_body = SnapshotSpec, params(("name" = String, Path)),
-    responses((status = 202, body = Operation, description = "result: MomentReport")))]
+    responses((status = 202, body = Operation, description = "result: MomentReport"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn snapshot_vm(
     State(s): State<Shared>,
     Path(name): Path<String>,
@@ -529,7 +533,8 @@ pub async fn snapshot_vm(
 
 #[utoipa::path(post, path = "/v1/vms/{name}/sleep", tag = "tree",
     params(("name" = String, Path)),
-    responses((status = 202, body = Operation, description = "result: SleepReport")))]
+    responses((status = 202, body = Operation, description = "result: SleepReport"),
+        (status = 404, body = ErrorBody)))]
 pub async fn sleep_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
     vm_exists(&s, &name).await?;
     Ok(start_operation(
@@ -693,7 +698,8 @@ pub async fn list_branches(State(s): State<Shared>) -> ApiResult<Json<serde_json
 
 #[utoipa::path(delete, path = "/v1/branches/{name}", tag = "tree",
     params(("name" = String, Path)),
-    responses((status = 200, body = host::vm::Removed), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = host::vm::Removed), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "The name is a vm's")))]
 pub async fn remove_branch(
     State(s): State<Shared>,
     Path(name): Path<String>,
@@ -715,7 +721,9 @@ pub async fn remove_branch(
 
 #[utoipa::path(post, path = "/v1/branches/{name}/wake", tag = "tree",
     request_body = host::tree::WakeSpec, params(("name" = String, Path)),
-    responses((status = 202, body = Operation, description = "result: RunReport")))]
+    responses((status = 202, body = Operation, description = "result: RunReport"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
 pub async fn wake_branch(
     State(s): State<Shared>,
     Path(name): Path<String>,

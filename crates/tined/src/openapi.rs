@@ -9,7 +9,7 @@ use utoipa::OpenApi;
 #[openapi(
     info(
         title = "tined",
-        description = "tine's control plane: run, fork, checkpoint, roll back, snapshot, sleep and wake KVM microVMs. Unix socket at $TINE_HOME/tined.sock (no token), or TCP with `Authorization: Bearer TOKEN`. Errors are JSON {code, message}.",
+        description = "tine's control plane: run, fork, checkpoint, roll back, snapshot, sleep and wake KVM microVMs. Unix socket at $TINE_HOME/tined.sock (no token), or TCP with `Authorization: Bearer TOKEN`. Errors are JSON {code, message}: 400 invalid_input, 401 unauthorized, 404 not_found, 405 method_not_allowed, 409 conflict or busy, 413 too_large, 422 conflict (an Idempotency-Key used for another request), 500 failed or internal, 503 restarting. Long work answers 202 with an Operation (Location: /v1/operations/ID).",
         license(name = "Apache-2.0")
     ),
     paths(
