@@ -1309,3 +1309,177 @@ fn test_tcp_listener_needs_the_bearer_token() {
         assert!(err.contains("16 or more characters"), "{err}");
     }
 }
+
+// ------------------------------------------------------------------ the document
+
+const REGENERATE: &str =
+    "regenerate it: cargo build -p tined && target/debug/tined openapi > docs/api/openapi.json";
+
+fn checked_in_document() -> String {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/api/openapi.json");
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}; {REGENERATE}", p.display()))
+}
+
+/// Where two texts first differ, for a failure message.
+fn first_difference(a: &str, b: &str) -> String {
+    let line = a
+        .lines()
+        .zip(b.lines())
+        .position(|(x, y)| x != y)
+        .unwrap_or_else(|| a.lines().count().min(b.lines().count()));
+    format!(
+        "line {}: checked in {:?}, served {:?}",
+        line + 1,
+        a.lines().nth(line).unwrap_or("(end)"),
+        b.lines().nth(line).unwrap_or("(end)")
+    )
+}
+
+#[test]
+fn test_served_document_equals_docs_api_openapi_json() {
+    let file = checked_in_document();
+    // What `tined openapi` prints.
+    let out = std::process::Command::new(common::tined_bin())
+        .arg("openapi")
+        .output()
+        .expect("tined openapi");
+    assert!(out.status.success());
+    let printed = String::from_utf8(out.stdout).expect("UTF-8");
+    assert!(
+        printed == file,
+        "docs/api/openapi.json differs from `tined openapi` ({}); {REGENERATE}",
+        first_difference(&file, &printed)
+    );
+    // What a running tined serves.
+    let t = Tined::start("openapi");
+    let r = t.get("/v1/openapi.json");
+    let served = r.expect_text(200);
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/json")
+    );
+    assert!(
+        served == file,
+        "docs/api/openapi.json differs from GET /v1/openapi.json ({}); {REGENERATE}",
+        first_difference(&file, &served)
+    );
+    let doc: Value = serde_json::from_str(&served).expect("JSON");
+    assert!(
+        doc["openapi"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.1")),
+        "OpenAPI 3.1"
+    );
+}
+
+/// The routes of `crates/tined/src/router.rs`: `(METHOD, path)` of every
+/// `.route("PATH", get(..).post(..))`.
+fn router_routes() -> Vec<(String, String)> {
+    let src = include_str!("../src/router.rs");
+    let mut out = Vec::new();
+    let mut rest = src;
+    while let Some(i) = rest.find(".route(") {
+        rest = &rest[i + ".route(".len()..];
+        // The call's text, up to its closing parenthesis.
+        let mut depth = 1;
+        let end = rest
+            .char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                depth == 0
+            })
+            .map(|(i, _)| i)
+            .expect("a closed .route(");
+        let call = &rest[..end];
+        let path = call
+            .split('"')
+            .nth(1)
+            .expect("a path literal first")
+            .to_string();
+        let methods = &call[call.find(',').expect("a method router")..];
+        for m in ["get", "post", "put", "delete", "patch"] {
+            // `get(`, `.post(`, `axum::routing::put(`: a word of its own.
+            let mut at = 0;
+            while let Some(j) = methods[at..].find(&format!("{m}(")) {
+                let k = at + j;
+                let before = methods[..k].chars().next_back();
+                if !before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                    out.push((m.to_uppercase(), path.clone()));
+                }
+                at = k + m.len();
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+fn document_routes(doc: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for m in item.as_object().expect("a path item").keys() {
+            if ["get", "post", "put", "delete", "patch"].contains(&m.as_str()) {
+                out.push((m.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn test_every_route_is_in_the_document_and_answers() {
+    let doc: Value = serde_json::from_str(&checked_in_document()).expect("JSON");
+    let routes = router_routes();
+    assert!(
+        routes.len() > 40,
+        "the router's routes were found: {routes:?}"
+    );
+    let documented = document_routes(&doc);
+    let missing: Vec<_> = routes.iter().filter(|r| !documented.contains(r)).collect();
+    let extra: Vec<_> = documented.iter().filter(|r| !routes.contains(r)).collect();
+    assert!(
+        missing.is_empty(),
+        "routes of router.rs missing from the document (add #[utoipa::path] to the handler and list it in openapi.rs, then {REGENERATE}): {missing:?}"
+    );
+    assert!(
+        extra.is_empty(),
+        "the document has routes router.rs does not serve: {extra:?}"
+    );
+
+    // Every documented route is served by its handler: no 404 from the
+    // fallback and no 405 (names that exist nowhere, so nothing changes).
+    let t = Tined::start("routes");
+    for (method, path) in &documented {
+        let p = path
+            .replace("{name}", "no-such-vm")
+            .replace("{tag}", "no-such-tag")
+            .replace("{secret}", "no-such-secret")
+            .replace("{id}", "op-none");
+        if p == "/v1/shutdown" || p == "/v1/events" || p.ends_with("/console") && method == "GET" {
+            continue;
+        }
+        let body = if method == "GET" || method == "DELETE" {
+            Vec::new()
+        } else {
+            b"{}".to_vec()
+        };
+        let r = t.req(method, &p, &[], body);
+        assert_ne!(r.status, 405, "{method} {p}: {}", r.text());
+        if r.status == 404 {
+            let m = r.expect_error(404, "not_found");
+            assert!(
+                !m.contains("no such endpoint"),
+                "{method} {p} is not routed: {m}"
+            );
+        }
+        if r.status >= 400 {
+            r.expect_error(r.status, r.json()["code"].as_str().unwrap_or("?"));
+        }
+    }
+}
