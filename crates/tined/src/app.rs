@@ -73,6 +73,10 @@ where
     }
     let (status, body) = match f().await {
         Ok(x) => x,
+        // Refused before anything was done (a bad request, a name in use,
+        // a vm that is busy): not kept, so a retry with the same key, once
+        // the cause is fixed, runs.
+        Err(e) if e.status.is_client_error() => return Ok(e.into_response()),
         Err(e) => (e.status, json(&e.body)?),
     };
     s.idem.put(
@@ -232,12 +236,26 @@ fn absolute_paths(spec: &host::vm::RunSpec) -> ApiResult<()> {
     Ok(())
 }
 
-/// Vm `name` exists: a long operation on a vm that is not there is
-/// refused at once (404) rather than answered 202 and failed.
-async fn vm_exists(s: &Shared, name: &str) -> ApiResult<()> {
+/// Vm `name` exists and runs: a long operation on a vm that is not there
+/// (404) or does not run (409) is refused at once rather than answered
+/// 202 and failed (the operation checks again, under the vm's lock).
+async fn vm_runs(s: &Shared, name: &str, doing: &'static str) -> ApiResult<()> {
     let st = s.clone();
     let n = name.to_string();
-    blocking(move || host::vm::info(&st.host, &n).map(|_| ())).await
+    blocking(move || {
+        let info = host::vm::info(&st.host, &n)?;
+        if info.state != host::state::VmState::Running {
+            return Err(host::Error::conflict(format!(
+                "vm {n:?} is {}: only a running vm can {doing}",
+                serde_json::to_value(info.state)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_else(|| "not running".into())
+            )));
+        }
+        Ok(())
+    })
+    .await
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -507,7 +525,8 @@ pub struct SnapshotSpec {
 #[utoipa::path(post, path = "/v1/vms/{name}/snapshot", tag = "moments",
     request_body = SnapshotSpec, params(("name" = String, Path)),
     responses((status = 202, body = Operation, description = "result: MomentReport"),
-        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "The vm does not run")))]
 pub async fn snapshot_vm(
     State(s): State<Shared>,
     Path(name): Path<String>,
@@ -521,7 +540,7 @@ pub async fn snapshot_vm(
             spec.dir
         )));
     }
-    vm_exists(&s, &name).await?;
+    vm_runs(&s, &name, "be snapshotted").await?;
     Ok(start_operation(
         &s,
         "snapshot",
@@ -534,9 +553,10 @@ pub async fn snapshot_vm(
 #[utoipa::path(post, path = "/v1/vms/{name}/sleep", tag = "tree",
     params(("name" = String, Path)),
     responses((status = 202, body = Operation, description = "result: SleepReport"),
-        (status = 404, body = ErrorBody)))]
+        (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "The vm does not run")))]
 pub async fn sleep_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
-    vm_exists(&s, &name).await?;
+    vm_runs(&s, &name, "be put to sleep").await?;
     Ok(start_operation(
         &s,
         "sleep",
