@@ -114,6 +114,17 @@ fn test_run_list_get_console_and_rm() {
     assert_eq!(k["name"], "b");
     assert!(wait_gone(&[pid_of(&b)]).is_empty(), "kill ends the VMM");
     assert_ne!(t.get("/v1/vms/b").expect(200)["state"], "running");
+    // What only a running vm can do is refused at once (no 202).
+    for (path, body) in [
+        ("/v1/vms/b/sleep", json!({})),
+        ("/v1/vms/b/snapshot", json!({"dir": "/tmp/tined-api-never"})),
+        ("/v1/vms/b/fork", json!({"count": 1})),
+        ("/v1/vms/b/checkpoints", json!({})),
+    ] {
+        let m = t.post(path, body).expect_error(409, "conflict");
+        assert!(m.contains("stopped"), "{path}: {m}");
+    }
+    assert!(!std::path::Path::new("/tmp/tined-api-never").exists());
     t.delete("/v1/vms/b").expect(200);
     assert_eq!(t.get("/v1/vms").expect(200), json!([]));
 }
@@ -808,13 +819,22 @@ fn test_idempotency_keys_on_run_and_fork() {
     // Without a key the same request is a new one: the name is taken.
     t.req("POST", "/v1/vms", &[], body.clone())
         .expect_error(409, "conflict");
-    // A failed first answer is replayed too, and runs nothing.
-    let bad = [("idempotency-key", "run-bad")];
-    let e1 = t.req("POST", "/v1/vms", &bad, body.clone());
-    e1.expect_error(409, "conflict");
-    let e2 = t.req("POST", "/v1/vms", &bad, body.clone());
-    assert_eq!(e2.status, 409);
-    assert_eq!(e2.json(), e1.json());
+    // A refused request (4xx: nothing was done) is not kept: once its
+    // cause is gone, the same key runs.
+    let k2 = [("idempotency-key", "run-2")];
+    let b2 = json!({"name": "j", "image": "micro-counter", "mem_mib": 64, "no_agent": true})
+        .to_string()
+        .into_bytes();
+    t.run("j", "micro-counter");
+    t.req("POST", "/v1/vms", &k2, b2.clone())
+        .expect_error(409, "conflict");
+    t.delete("/v1/vms/j?force=true").expect(200);
+    let ran = t.req("POST", "/v1/vms", &k2, b2.clone());
+    ran.expect(201);
+    assert_eq!(ran.header("idempotent-replay"), None, "it ran");
+    let again = t.req("POST", "/v1/vms", &k2, b2);
+    assert_eq!(again.header("idempotent-replay").as_deref(), Some("true"));
+    t.delete("/v1/vms/j?force=true").expect(200);
 
     // fork: same key, same children; no second fork.
     t.wait_line("i", 0, |l| l.starts_with("CNT 1"));
