@@ -240,14 +240,15 @@ fn daemon(
         let unix = tined::serve::bind_unix(&sock)
             .with_context(|| format!("cannot listen on {}", sock.display()))?;
         let app = tined::router::app(state.clone());
-        tokio::spawn(tined::serve::unix(unix, app.clone()));
+        let stop = tined::serve::Stop::default();
+        tokio::spawn(tined::serve::unix(unix, app.clone(), stop.watcher()));
         if let (Some(addr), Some(token)) = (tcp, token) {
             let l = tokio::net::TcpListener::bind(&addr)
                 .await
                 .with_context(|| format!("cannot listen on {addr}"))?;
             let bound = l.local_addr().map(|a| a.to_string()).unwrap_or(addr);
             tracing::info!("listening on tcp {bound} (bearer token required)");
-            tokio::spawn(tined::serve::tcp(l, app, Arc::new(token)));
+            tokio::spawn(tined::serve::tcp(l, app, Arc::new(token), stop.watcher()));
         }
         tracing::info!("listening on {}", sock.display());
         let watch = watch_home(state.clone(), sock.clone(), idle_exit);
@@ -259,6 +260,9 @@ fn daemon(
             why = watch => tracing::info!("exiting: {why}"),
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; the vms keep running"),
         }
+        // Answers being written (the shutdown's own 202) reach their
+        // clients before the process ends.
+        stop.stop(Duration::from_secs(1)).await;
         let _ = std::fs::remove_file(&sock);
         anyhow::Ok(())
     })?;

@@ -12,32 +12,88 @@ use tower::ServiceExt;
 
 use crate::error::ApiError;
 
-/// Serves `app` on every connection `listener` accepts until `stop`.
-pub async fn unix(listener: tokio::net::UnixListener, app: Router) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let app = app.clone();
-        tokio::spawn(async move { connection(stream, app, None).await });
+/// Tells the listeners and connections to stop, and how many are left.
+pub struct Stop {
+    tx: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Stop {
+    fn default() -> Self {
+        Stop {
+            tx: tokio::sync::watch::channel(false).0,
+        }
     }
 }
 
-/// Serves `app` over TCP, each request checked against `token`.
-pub async fn tcp(listener: tokio::net::TcpListener, app: Router, token: Arc<String>) {
+impl Stop {
+    /// What a listener (and each of its connections) watches.
+    pub fn watcher(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+
+    /// Stops accepting, lets every connection finish the request it is
+    /// answering (its answer is written before it closes), and waits up to
+    /// `limit` for them (streams that never end are cut off after it).
+    pub async fn stop(&self, limit: std::time::Duration) {
+        let _ = self.tx.send(true);
+        let _ = tokio::time::timeout(limit, async {
+            while self.tx.receiver_count() > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+    }
+}
+
+/// Serves `app` on every connection `listener` accepts until `stop`.
+pub async fn unix(
+    listener: tokio::net::UnixListener,
+    app: Router,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let Ok((stream, _)) = accepted else {
+            continue;
+        };
+        let app = app.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move { connection(stream, app, None, stop).await });
+    }
+}
+
+/// Serves `app` over TCP, each request checked against `token`, until `stop`.
+pub async fn tcp(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    token: Arc<String>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let Ok((stream, _)) = accepted else {
             continue;
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         let token = token.clone();
-        tokio::spawn(async move { connection(stream, app, Some(token)).await });
+        let stop = stop.clone();
+        tokio::spawn(async move { connection(stream, app, Some(token), stop).await });
     }
 }
 
-async fn connection<S>(stream: S, app: Router, token: Option<Arc<String>>)
-where
+async fn connection<S>(
+    stream: S,
+    app: Router,
+    token: Option<Arc<String>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
@@ -62,8 +118,23 @@ where
     let conn = hyper::server::conn::http1::Builder::new()
         .serve_connection(TokioIo::new(stream), service)
         .with_upgrades();
-    if let Err(e) = conn.await {
-        tracing::debug!("connection ended: {e}");
+    tokio::pin!(conn);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            res = conn.as_mut() => {
+                if let Err(e) = res {
+                    tracing::debug!("connection ended: {e}");
+                }
+                return;
+            }
+            _ = stop.wait_for(|s| *s), if !stopping => {
+                // Finish the request in flight (its answer is written),
+                // then close; an idle connection closes at once.
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
     }
 }
 
