@@ -1503,3 +1503,75 @@ fn test_every_route_is_in_the_document_and_answers() {
         }
     }
 }
+
+// ------------------------------------------------------------------ streams, restarts
+
+#[test]
+fn test_console_follow_streams_until_the_vm_ends() {
+    if !kvm_available() {
+        return;
+    }
+    let t = Tined::start("console");
+    let r = counter(&t, "k");
+    let mut follow = t.chunks("/v1/vms/k/console?follow=true");
+    assert_eq!(follow.status, 200);
+    // New lines arrive as the guest prints them.
+    let have = last_cnt(&t, "k");
+    let next = format!("CNT {}\n", have + 3);
+    assert!(
+        follow.until(Duration::from_secs(10), |s| s.contains(&next)),
+        "the stream goes on: {:?}",
+        follow.text
+    );
+    assert!(
+        follow.text.contains("READY"),
+        "from the start: {:?}",
+        follow.text
+    );
+    // It ends when the vm does.
+    t.post("/v1/vms/k/kill", json!({})).expect(200);
+    assert!(wait_gone(&[pid_of(&r)]).is_empty());
+    follow.until(Duration::from_secs(10), |_| false);
+    assert!(follow.ended, "the stream ends with the vm");
+    // Without follow: what there is, then the end.
+    let mut once = t.chunks("/v1/vms/k/console");
+    once.until(Duration::from_secs(10), |_| false);
+    assert!(once.ended && once.text.contains("CNT"), "{:?}", once.text);
+}
+
+#[test]
+fn test_shutdown_leaves_vms_running_and_the_next_tined_adopts_them() {
+    if !kvm_available() {
+        return;
+    }
+    let mut t = Tined::start("shutdown");
+    let a = memtouch(&t, "a");
+    let s1 = touch(&t, "a", 8, 9);
+    t.post("/v1/vms/a/checkpoints", json!({"tag": "t"}))
+        .expect(201);
+    let pid = pid_of(&t.get("/v1/vms/a").expect(200));
+    assert_ne!(
+        pid,
+        pid_of(&a),
+        "a checkpoint moves the vm to a new process"
+    );
+    t.post("/v1/shutdown", json!({})).expect(202);
+    let st = t.wait_exit().expect("tined exits after a shutdown");
+    assert!(st.success(), "{st}");
+    assert!(!t.home.join("tined.sock").exists(), "the socket is removed");
+    assert!(common::alive(pid), "the vm keeps running");
+
+    t.start_again();
+    let v = t.get("/v1/vms/a").expect(200);
+    assert_eq!(v["state"], "running");
+    assert_eq!(pid_of(&v), pid, "adopted, the same process");
+    assert_eq!(sum(&t, "a", 8), s1);
+    // Everything works on an adopted vm: its checkpoint, a fork.
+    touch(&t, "a", 8, 10);
+    t.post("/v1/vms/a/rollback", json!({"tag": "t"}))
+        .expect(200);
+    assert_eq!(sum(&t, "a", 8), s1);
+    let f = t.post("/v1/vms/a/fork", json!({"count": 1})).expect(200);
+    assert_eq!(f["results"][0]["ok"], true, "{f}");
+    assert_eq!(sum(&t, "a-1", 8), s1);
+}

@@ -357,6 +357,82 @@ pub fn sse(addr: &Addr, path: &str) -> Sse {
     }
 }
 
+/// A response body read as it comes (console `?follow=true`, NDJSON).
+pub struct Chunks {
+    pub status: u16,
+    /// Each chunk; `None` once the body ended.
+    rx: std::sync::mpsc::Receiver<Option<Bytes>>,
+    task: tokio::task::JoinHandle<()>,
+    /// Everything received so far.
+    pub text: String,
+    pub ended: bool,
+}
+
+impl Chunks {
+    /// Reads until `pred` holds for the text so far, or the body ends, or
+    /// `limit` passes; returns whether `pred` held.
+    pub fn until(&mut self, limit: Duration, pred: impl Fn(&str) -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        while !pred(&self.text) {
+            if self.ended {
+                return false;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            match self.rx.recv_timeout(left) {
+                Ok(Some(b)) => self.text.push_str(&String::from_utf8_lossy(&b)),
+                Ok(None) => self.ended = true,
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
+
+impl Drop for Chunks {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// GETs `path` and reads its body in the background.
+pub fn chunks(addr: &Addr, path: &str) -> Chunks {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (head_tx, head_rx) = std::sync::mpsc::channel();
+    let (addr, path) = (addr.clone(), path.to_string());
+    let task = rt().spawn(async move {
+        let res = match send_raw(&addr, "GET", &path, &[], Vec::new()).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = head_tx.send(Err(e));
+                return;
+            }
+        };
+        let _ = head_tx.send(Ok(res.status().as_u16()));
+        let mut body = res.into_body();
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(data) = frame.into_data() {
+                if tx.send(Some(data)).is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(None);
+    });
+    let status = head_rx
+        .recv_timeout(CALL_LIMIT)
+        .unwrap_or_else(|_| Err("no answer".into()))
+        .unwrap_or_else(|e| panic!("GET: {e}"));
+    Chunks {
+        status,
+        rx,
+        task,
+        text: String::new(),
+        ended: false,
+    }
+}
+
 /// A `tined` of a temporary home, in the foreground.
 pub struct Tined {
     pub home: PathBuf,
@@ -485,6 +561,33 @@ impl Tined {
     }
     pub fn sse(&self, path: &str) -> Sse {
         sse(&self.addr, path)
+    }
+    pub fn chunks(&self, path: &str) -> Chunks {
+        chunks(&self.addr, path)
+    }
+
+    /// Waits (up to 10 s) for tined to exit on its own; its exit status.
+    pub fn wait_exit(&mut self) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Starts a new tined on this home (after the old one exited).
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "tined still runs");
+        self.child = Some(spawn(&self.home, &[]));
+        self.wait_healthy();
     }
 
     /// Starts micro guest `image` (no agent, 64 MiB) as `name`.
