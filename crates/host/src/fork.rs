@@ -142,7 +142,7 @@ pub struct ForkReport {
 }
 
 /// The children's names of `spec` for vm `name`, checked.
-fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<String>> {
+pub(crate) fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<String>> {
     let names: Vec<String> = match (&spec.names, spec.count) {
         (Some(list), n) => {
             let v: Vec<String> = list.iter().map(|s| s.trim().to_string()).collect();
@@ -431,13 +431,16 @@ pub fn effective_contract(vm: &VmDir, over: Option<&str>) -> crate::Result<contr
     }
 }
 
-/// `NAME-1`, `NAME-2`, ... skipping names in use.
+/// `NAME-1`, `NAME-2`, ... skipping names in use (by a vm, or by a branch
+/// of the store, which a wake could not take).
 fn free_names(h: &Host, name: &str, n: usize) -> Vec<String> {
     let mut out = Vec::with_capacity(n);
     let mut i = 1;
     while out.len() < n {
         let cand = format!("{name}-{i}");
-        if !VmDir::new(&h.home, &cand).dir.exists() && !crate::branches::is_sleeping(h, &cand) {
+        if !VmDir::new(&h.home, &cand).dir.exists()
+            && !crate::branches::has_branch_in(&h.home, &cand)
+        {
             out.push(cand);
         }
         i += 1;

@@ -385,24 +385,25 @@ pub(crate) fn finish_wake(h: &Host, branch: &str, name: &str) -> crate::Result<(
 }
 
 /// Forks a sleeping branch: new branches wake from its snapshot, one after
-/// another (they share its materialized memory file). An invalid contract
-/// is refused before any of them starts; a copy that fails to start stops
-/// the fork with the ones started so far left running.
+/// another (they share its materialized memory file). The names are
+/// checked as a running vm's fork checks them (count or names, limits,
+/// duplicates, names in use) and an invalid contract is refused, before
+/// any of them starts; a copy that fails to start stops the fork with the
+/// ones started so far left running, reported per child (an error when
+/// the first one fails: then nothing started).
 pub(crate) fn fork_sleeping(
     h: &Host,
     branch: &str,
     spec: &crate::fork::ForkSpec,
 ) -> crate::Result<crate::fork::ForkReport> {
-    let names: Vec<String> = match (&spec.names, spec.count) {
-        (Some(n), _) => n.clone(),
-        (None, Some(c)) => (1..=c).map(|i| format!("{branch}-{i}")).collect(),
-        (None, None) => (1..=1).map(|i| format!("{branch}-{i}")).collect(),
-    };
-    crate::ensure!(
-        names.len() <= crate::fork::MAX_CHILDREN,
-        "at most {} children per fork",
-        crate::fork::MAX_CHILDREN
-    );
+    let names = crate::fork::child_names(h, branch, spec)?;
+    for n in &names {
+        if crate::branches::has_branch_in(&h.home, n) {
+            return Err(Error::conflict(format!(
+                "a branch named {n:?} exists in the store; choose other names"
+            )));
+        }
+    }
     if let Some(c) = &spec.contract {
         contract::Contract::parse(c).context("the contract; nothing was woken")?;
     }
@@ -412,8 +413,8 @@ pub(crate) fn fork_sleeping(
         names: names.clone(),
         ..Default::default()
     };
-    for n in &names {
-        let s = wake(
+    for (i, n) in names.iter().enumerate() {
+        let woken = wake(
             h,
             branch,
             &WakeSpec {
@@ -423,7 +424,31 @@ pub(crate) fn fork_sleeping(
             },
             &store::NoProgress,
         )
-        .with_context(|| format!("cannot wake {n:?} from {branch:?}"))?;
+        .with_context(|| format!("cannot wake {n:?} from {branch:?}"));
+        let s = match woken {
+            Ok(s) => s,
+            Err(e) if i == 0 => return Err(e),
+            Err(e) => {
+                report.results.push(crate::fork::ChildResult {
+                    name: n.clone(),
+                    pid: None,
+                    ok: false,
+                    error: Some(e.to_string()),
+                });
+                for rest in &names[i + 1..] {
+                    report.results.push(crate::fork::ChildResult {
+                        name: rest.clone(),
+                        pid: None,
+                        ok: false,
+                        error: Some(format!("not started: {n:?} failed before it")),
+                    });
+                }
+                report
+                    .problems
+                    .push(format!("the fork stopped at {n:?}: {e}"));
+                break;
+            }
+        };
         report.children.push(s.pid);
         report.child_running_ms.push(s.ready_ms);
         report.results.push(crate::fork::ChildResult {
