@@ -461,6 +461,41 @@ fn test_sleep_wake_tree_rm_branch_and_gc() {
     assert_eq!(res["name"], "w2");
     assert_eq!(sum(&t, "w2", 8), s1, "a lazy wake pages the same memory in");
 
+    // A fork of a sleeping branch: new branches wake from its snapshot,
+    // named and checked as a running vm's fork.
+    let f = t.post("/v1/vms/w/fork", json!({"count": 2})).expect(200);
+    assert_eq!(f["names"], json!(["w-1", "w-2"]), "{f}");
+    for r in f["results"].as_array().expect("results") {
+        assert_eq!(r["ok"], true, "{f}");
+    }
+    assert_eq!(sum(&t, "w-1", 8), s1);
+    let f = t.post("/v1/vms/w/fork", json!({"count": 1})).expect(200);
+    assert_eq!(f["names"], json!(["w-3"]), "names in use are skipped: {f}");
+    let before = t.snapshot_state();
+    for bad in [
+        json!({}),
+        json!({"count": 0}),
+        json!({"count": 101}),
+        json!({"names": ["d", "d"]}),
+        json!({"names": ["../d"]}),
+        json!({"count": 2, "names": ["d"]}),
+    ] {
+        t.post("/v1/vms/w/fork", bad.clone())
+            .expect_error(400, "invalid_input");
+    }
+    t.post("/v1/vms/w/fork", json!({"names": ["w2"]}))
+        .expect_error(409, "conflict");
+    t.post("/v1/vms/w/fork", json!({"names": ["new", "w-1"]}))
+        .expect_error(409, "conflict");
+    assert_eq!(
+        t.snapshot_state(),
+        before,
+        "refused forks of a branch change nothing"
+    );
+    for c in ["w-1", "w-2", "w-3"] {
+        t.delete(&format!("/v1/vms/{c}?force=true")).expect(200);
+    }
+
     // The tree: the snapshot, the sleeping branch, the running vm.
     let tree = t.get("/v1/tree").expect(200);
     let nodes = tree["nodes"].as_array().expect("nodes");
