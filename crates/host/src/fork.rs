@@ -149,7 +149,7 @@ pub(crate) fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Resul
             if let Some(n) = n {
                 crate::ensure!(
                     n == v.len(),
-                    "-n {n} but {} names given; give one name per child",
+                    "{n} children (count, -n) but {} names given; give one name per child",
                     v.len()
                 );
             }

@@ -91,7 +91,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     }
     let _layers = crate::layers::shared(h)?;
     if !crate::fork::list_checkpoints(h, name)?.is_empty() {
-        return Err(Error::conflict(format!("vm {name:?} has checkpoints; they live in processes and cannot sleep with it (delete them with `tine checkpoint rm`, or roll back first)")));
+        return Err(Error::conflict(format!("vm {name:?} has checkpoints; they live in processes and cannot sleep with it (delete them with `tine rm {name}@TAG`, or roll back first)")));
     }
     let store = open(h)?;
     let link = read_link(&vm);
