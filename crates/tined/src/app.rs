@@ -239,7 +239,7 @@ fn absolute_paths(spec: &host::vm::RunSpec) -> ApiResult<()> {
 /// Vm `name` exists and runs: a long operation on a vm that is not there
 /// (404) or does not run (409) is refused at once rather than answered
 /// 202 and failed (the operation checks again, under the vm's lock).
-async fn vm_runs(s: &Shared, name: &str, doing: &'static str) -> ApiResult<()> {
+async fn vm_runs(s: &Shared, name: &str, doing: &'static str) -> ApiResult<host::vm::VmInfo> {
     let st = s.clone();
     let n = name.to_string();
     blocking(move || {
@@ -253,7 +253,7 @@ async fn vm_runs(s: &Shared, name: &str, doing: &'static str) -> ApiResult<()> {
                     .unwrap_or_else(|| "not running".into())
             )));
         }
-        Ok(())
+        Ok(info)
     })
     .await
 }
@@ -556,7 +556,13 @@ pub async fn snapshot_vm(
         (status = 404, body = ErrorBody),
         (status = 409, body = ErrorBody, description = "The vm does not run")))]
 pub async fn sleep_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiResult<Response> {
-    vm_runs(&s, &name, "be put to sleep").await?;
+    let info = vm_runs(&s, &name, "be put to sleep").await?;
+    if let Some(tag) = info.checkpoints.first() {
+        return Err(ApiError::from(host::Error::conflict(format!(
+            "vm {name:?} has checkpoints ({}); they live in processes and cannot sleep with it: delete them (DELETE /v1/vms/{name}/checkpoints/{tag}) or roll back first",
+            info.checkpoints.join(", ")
+        ))));
+    }
     Ok(start_operation(
         &s,
         "sleep",

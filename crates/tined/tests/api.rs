@@ -306,6 +306,12 @@ fn test_checkpoint_rollback_and_delete_checkpoint() {
     t.get("/v1/vms/nope/checkpoints")
         .expect_error(404, "not_found");
 
+    // A vm with checkpoints does not sleep (they live in processes).
+    let msg = t
+        .post("/v1/vms/m/sleep", json!({}))
+        .expect_error(409, "conflict");
+    assert!(msg.contains("checkpoints"), "{msg}");
+
     // rm of a checkpoint.
     let d = t.delete("/v1/vms/m/checkpoints/cp1").expect(200);
     assert_eq!(d["what"], "checkpoint");
