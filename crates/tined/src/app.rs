@@ -51,7 +51,7 @@ where
             .to_string(),
     };
     let lock = s.idem.lock(&key);
-    let _held = lock.lock().await;
+    let _held = lock.hold().await;
     let replay = |a: Answer| -> ApiResult<Response> {
         if a.fingerprint != fingerprint {
             return Err(ApiError::new(

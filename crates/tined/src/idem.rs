@@ -16,6 +16,35 @@ const TTL_MS: u64 = 24 * 3600 * 1000;
 /// Longest key accepted.
 pub const MAX_KEY: usize = 256;
 
+/// A request's hold on its key's lock (see [`Idempotency::lock`]).
+pub struct KeyLock<'a> {
+    idem: &'a Idempotency,
+    key: String,
+    mutex: Option<Arc<tokio::sync::Mutex<()>>>,
+}
+
+impl KeyLock<'_> {
+    /// Waits until no other request of this key runs.
+    pub async fn hold(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        match &self.mutex {
+            Some(m) => Some(m.lock().await),
+            None => None,
+        }
+    }
+}
+
+impl Drop for KeyLock<'_> {
+    fn drop(&mut self) {
+        // Every clone is taken under the map's lock, so the count seen
+        // under it is exact: 1 is the map's own.
+        let mut m = self.idem.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        drop(self.mutex.take());
+        if m.get(&self.key).is_some_and(|a| Arc::strong_count(a) == 1) {
+            m.remove(&self.key);
+        }
+    }
+}
+
 /// A stored answer.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Answer {
@@ -50,10 +79,24 @@ impl Idempotency {
         ))
     }
 
-    /// The lock of `key`: held while its request runs.
-    pub fn lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+    /// The lock of `key`, held while its request runs. The entry is
+    /// forgotten when the last request of that key is done (every key a
+    /// client ever sent would stay in memory otherwise).
+    pub fn lock(&self, key: &str) -> KeyLock<'_> {
         let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
-        m.entry(key.to_string()).or_default().clone()
+        KeyLock {
+            idem: self,
+            key: key.to_string(),
+            mutex: Some(m.entry(key.to_string()).or_default().clone()),
+        }
+    }
+
+    /// Keys with a request in flight (or waiting).
+    pub fn in_flight(&self) -> usize {
+        self.inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// The stored answer for `key`, if a fresh one exists.
@@ -98,5 +141,26 @@ impl Idempotency {
                 let _ = std::fs::remove_file(e.path());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_a_key_is_forgotten_when_its_last_request_is_done() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let idem = Idempotency::new(dir.path());
+        let a = idem.lock("k");
+        let b = idem.lock("k");
+        let c = idem.lock("other");
+        assert_eq!(idem.in_flight(), 2);
+        drop(a);
+        assert_eq!(idem.in_flight(), 2, "b still holds k");
+        drop(b);
+        assert_eq!(idem.in_flight(), 1);
+        drop(c);
+        assert_eq!(idem.in_flight(), 0);
     }
 }
