@@ -92,7 +92,11 @@ async fn count_requests(
 ) -> Response {
     s.last_request
         .store(host::state::now_ms(), Ordering::Relaxed);
-    let method = req.method().to_string();
+    // A label of a bounded set: a client may send any method name.
+    let method = match req.method().as_str() {
+        m @ ("GET" | "POST" | "PUT" | "DELETE" | "HEAD" | "PATCH" | "OPTIONS") => m.to_string(),
+        _ => "other".to_string(),
+    };
     let path = req.uri().path().to_string();
     if s.draining.load(Ordering::Relaxed) && path != "/v1/health" {
         return ApiError::new(
