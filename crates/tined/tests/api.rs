@@ -1245,6 +1245,21 @@ fn test_metrics() {
         "{text}"
     );
     assert!(text.trim_end().ends_with("# EOF"), "{text}");
+
+    // Request labels stay a small set whatever methods clients invent.
+    for m in ["FOO", "BAR1", "BAZ2"] {
+        t.req(m, "/v1/vms", &[], Vec::new())
+            .expect_error(405, "method_not_allowed");
+    }
+    let text = t.get("/metrics").expect_text(200);
+    assert!(!text.contains("FOO") && !text.contains("BAZ2"), "{text}");
+    assert!(
+        metric(
+            &text,
+            "tine_api_requests_total{method=\"other\",status=\"405\"}"
+        ) == Some(3.0),
+        "{text}"
+    );
 }
 
 // ------------------------------------------------------------------ listeners
