@@ -30,6 +30,7 @@ pub fn show(h: &Host, name: &str) -> crate::Result<String> {
 /// Replaces a vm's contract with `toml` (its registered secrets stay
 /// unless `toml` names them). Returns the new contract as TOML.
 pub fn set(h: &Host, name: &str, toml: &str) -> crate::Result<String> {
+    crate::state::validate_name(name)?;
     let _lock = crate::lock::acquire(&h.home, name, crate::lock::DEFAULT_WAIT)?;
     let vm = existing(h, name)?;
     let c = crate::fork::effective_contract(&vm, Some(toml))?;
@@ -105,6 +106,7 @@ pub fn add_secret(
     spec: &SecretSpec,
     value: &[u8],
 ) -> crate::Result<SecretInfo> {
+    crate::state::validate_name(name)?;
     let _lock = crate::lock::acquire(&h.home, name, crate::lock::DEFAULT_WAIT)?;
     let vm = crate::exec::agent_vm(h, name)?;
     let on_fork = parse_on_fork(&spec.on_fork)?;

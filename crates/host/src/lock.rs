@@ -25,6 +25,13 @@ fn locks_dir(home: &Path) -> PathBuf {
 }
 
 fn open(home: &Path, key: &str) -> crate::Result<File> {
+    // A key names a file in the locks directory and nothing else: a vm
+    // name from a request must not reach `locks/../../x.lock`.
+    if key.is_empty() || key == "." || key == ".." || key.contains(['/', '\0']) || key.len() > 200 {
+        return Err(crate::Error::invalid(format!(
+            "invalid name {key:?}: use 1-48 letters, digits, '-', '_' or '.', starting with a letter or digit"
+        )));
+    }
     let dir = locks_dir(home);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let path = dir.join(format!("{key}.lock"));
@@ -128,6 +135,18 @@ pub fn reserve(home: &Path, names: &[String]) -> crate::Result<Vec<Lock>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_a_key_stays_in_the_locks_directory() {
+        let home = tempfile::tempdir().expect("tempdir");
+        for key in ["../x", "a/b", "..", ".", "", "/abs", "a\0b"] {
+            let e = acquire(home.path(), key, Duration::ZERO).expect_err(key);
+            assert_eq!(e.code(), crate::Code::InvalidInput, "{key:?}");
+            assert!(try_acquire(home.path(), key).is_err(), "{key:?}");
+        }
+        assert!(!home.path().join("x.lock").exists());
+        assert!(acquire(home.path(), ".branch-a", Duration::ZERO).is_ok());
+    }
 
     #[test]
     fn test_lock_is_exclusive_and_released_on_drop() {
