@@ -678,6 +678,7 @@ pub async fn vm_effects(
     State(s): State<Shared>,
     Path(name): Path<String>,
 ) -> ApiResult<Json<host::gateway::LineageEffects>> {
+    host::state::validate_name(&name).map_err(ApiError::from)?;
     let st = s.clone();
     Ok(Json(
         blocking(move || host::gateway::lineage_effects(&st.host, &name)).await?,
@@ -705,6 +706,7 @@ pub async fn resolve_effect(
     Path(name): Path<String>,
     JsonBody(spec): JsonBody<ResolveSpec>,
 ) -> ApiResult<Json<Resolved>> {
+    host::state::validate_name(&name).map_err(ApiError::from)?;
     let st = s.clone();
     let resend = spec.resend;
     let effect =
