@@ -690,7 +690,51 @@ fn test_bad_input_is_a_clear_4xx_and_changes_nothing() {
             .expect_error(400, "invalid_input");
         t.delete(&format!("/v1/branches/{name}"))
             .expect_error(400, "invalid_input");
+        for (method, path, body) in [
+            (
+                "PUT",
+                "secrets/s",
+                json!({"path": "/run/s", "on_fork": "keep", "value_b64": "eA=="}),
+            ),
+            ("GET", "secrets", Value::Null),
+            ("PUT", "contract", json!({"toml": ""})),
+            ("GET", "contract", Value::Null),
+            ("GET", "effects", Value::Null),
+            (
+                "POST",
+                "effects/resolve",
+                json!({"key": "k", "resend": true}),
+            ),
+            ("GET", "disks", Value::Null),
+            ("POST", "console", json!({"line": "x"})),
+            ("POST", "stop", json!({})),
+            ("POST", "kill", json!({})),
+            ("POST", "sleep", json!({})),
+            ("POST", "checkpoints", json!({})),
+            ("POST", "rollback", json!({"tag": "t"})),
+            ("POST", "snapshot", json!({"dir": "/tmp/tined-api-never"})),
+            ("POST", "exec", json!({"argv": ["true"]})),
+        ] {
+            let b = if body.is_null() {
+                Vec::new()
+            } else {
+                body.to_string().into_bytes()
+            };
+            t.req(method, &format!("/v1/vms/{name}/{path}"), &[], b)
+                .expect_error(400, "invalid_input");
+        }
+        t.post(&format!("/v1/branches/{name}/wake"), json!({}))
+            .expect_error(400, "invalid_input");
     }
+    // No file was made outside the home's own places (locks/ in particular).
+    let mut top: Vec<String> = std::fs::read_dir(&t.home)
+        .expect("the home")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".lock"))
+        .collect();
+    top.sort();
+    assert_eq!(top, ["tined.lock"], "lock files beside the home's own");
+    assert!(!std::path::Path::new("/tmp/tined-api-never").exists());
     for name in ["../x", "a/b", "/abs", "", "x\u{0}y", &"n".repeat(49)] {
         t.post(
             "/v1/vms",
