@@ -91,9 +91,13 @@ fn test_run_list_get_console_and_rm() {
             .is_some_and(|n| n > c)
     });
 
-    // Images: a list (of what the cache holds), each with a name.
+    // Images: what the image cache holds, each with its manifest's files.
     let imgs = t.get("/v1/images").expect(200);
-    assert!(imgs.is_array(), "{imgs}");
+    for img in imgs.as_array().unwrap_or_else(|| panic!("a list: {imgs}")) {
+        assert!(img["hash"].as_str().is_some(), "{img}");
+        let kernel = img["kernel"].as_str().unwrap_or_else(|| panic!("{img}"));
+        assert!(std::path::Path::new(kernel).is_absolute(), "{img}");
+    }
 
     // A running vm is removed only with force.
     let msg = t.delete("/v1/vms/a").expect_error(409, "conflict");
