@@ -334,6 +334,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     }
     let spawning = crate::reconcile::spawning();
     intent.phase(Phase::Asked)?;
+    crate::fault::point("fork:prepared");
     let res = call(
         &vm.api_socket(),
         &Request::Fork {
@@ -357,6 +358,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         }
     };
     let reply = call.reply.clone();
+    crate::fault::point("fork:answered");
     for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
         rec.pid = pid;
         rec.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -366,6 +368,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         moved(&vm, &mut r, pid)?;
     }
     intent.phase(Phase::Recorded)?;
+    crate::fault::point("fork:recorded");
     drop(spawning);
     // Recorded: the old VMM may go.
     drop(call);
@@ -582,6 +585,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
         }
     };
     let reply = call.reply.clone();
+    crate::fault::point("checkpoint:answered");
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }
@@ -696,6 +700,7 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
         crate::vm::kill_stopped(&r)?;
     }
     let _ = std::fs::remove_file(vm.exit_path());
+    crate::fault::point("rollback:killed");
     let spawning = crate::reconcile::spawning();
     intent.phase(Phase::Asked)?;
     let call = match call(
@@ -891,6 +896,7 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
         }
     };
     let reply = call.reply.clone();
+    crate::fault::point("snapshot:answered");
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }

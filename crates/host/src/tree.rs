@@ -211,6 +211,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     let reply = match res {
         Ok(c) if c.reply.error.is_none() => {
             let reply = c.reply.clone();
+            crate::fault::point("sleep:answered");
             if let Some(pid) = reply.continuation_pid {
                 r.pid = pid;
                 r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -262,7 +263,9 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
             return Err(e.context(format!("{name:?} did not go to sleep; it runs on")));
         }
     };
+    crate::fault::point("sleep:stored");
     intent.phase(Phase::Committed)?;
+    crate::fault::point("sleep:committed");
     let store_ms = t1.elapsed().as_secs_f64() * 1000.0;
     // Committed: the vm ends, its branch sleeps in the store.
     let removed = crate::vm::remove_locked(h, &vm, &r)?;
@@ -376,6 +379,7 @@ pub fn wake(
     )?;
     let res = (|| -> crate::Result<RunReport> {
         let dir = materialize(&store, b.snapshot, spec.lazy, bar)?;
+        crate::fault::point("wake:materialized");
         let shown = store
             .blob(b.snapshot, gateway::SNAPSHOT_LINEAGE)
             .ok()
@@ -389,6 +393,7 @@ pub fn wake(
         run.shown_image = Some(shown.unwrap_or_else(|| format!("branch {branch}")));
         intent.phase(Phase::Asked)?;
         let mut started = crate::vm::start_reserved(h, run)?;
+        crate::fault::point("wake:started");
         let vm = VmDir::new(&h.home, &name);
         let link = BranchLink {
             branch: name.clone(),
