@@ -16,8 +16,8 @@ use base64::Engine;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use crate::state::{blocking, JsonBody, Shared};
 use crate::error::{ApiError, ApiResult, ErrorBody};
+use crate::state::{blocking, JsonBody, Shared};
 
 /// A command to run in the guest.
 #[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]

@@ -8,8 +8,8 @@ use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::stream::{self, Stream, StreamExt};
 
-use crate::state::Shared;
 use crate::error::{ApiError, ApiResult};
+use crate::state::Shared;
 
 #[utoipa::path(get, path = "/v1/events", tag = "events",
     responses((status = 200, description = "text/event-stream of lifecycle Events (event: the type, data: the Event as JSON)",
