@@ -564,8 +564,17 @@ fn blkio_write(h: &Home, vm: &str, data: &mut [u8], off: u64, seed: u64) -> u64 
             sum = (sum ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
     }
-    let got = ask(h, vm, &format!("write {block} {seed}"), &format!("WROTE {block}"));
-    assert_eq!(got, format!("{sum:016x}"), "{vm}: blkio's checksum of block {block}");
+    let got = ask(
+        h,
+        vm,
+        &format!("write {block} {seed}"),
+        &format!("WROTE {block}"),
+    );
+    assert_eq!(
+        got,
+        format!("{sum:016x}"),
+        "{vm}: blkio's checksum of block {block}"
+    );
     ask(h, vm, "flush", "FLUSHED");
     off
 }
