@@ -16,7 +16,6 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-
 /// The few fields of /proc/PID/stat that tine checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcStat {
@@ -24,6 +23,8 @@ pub struct ProcStat {
     pub comm: String,
     /// State letter (field 3): R, S, D, Z, X, ...
     pub state: char,
+    /// Parent pid (field 4).
+    pub ppid: u32,
     /// Start time in clock ticks since boot (field 22).
     pub start: u64,
 }
@@ -39,8 +40,14 @@ impl ProcStat {
         let comm = stat.get(open + 1..close)?.to_string();
         let mut rest = stat.get(close + 1..)?.split_whitespace();
         let state = rest.next()?.chars().next()?;
-        let start = rest.nth(18)?.parse().ok()?;
-        Some(Self { comm, state, start })
+        let ppid = rest.next()?.parse().ok()?;
+        let start = rest.nth(17)?.parse().ok()?;
+        Some(Self {
+            comm,
+            state,
+            ppid,
+            start,
+        })
     }
 
     /// A zombie or dead process has exited; only its entry remains.

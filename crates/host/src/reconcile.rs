@@ -60,6 +60,7 @@ pub fn settle_pid(vm: &VmDir) -> bool {
 pub fn sweep(h: &Host) -> usize {
     let _all = SPAWNING.write().unwrap_or_else(|e| e.into_inner());
     let mut known = std::collections::HashSet::new();
+    let mut templates = std::collections::HashSet::new();
     if let Ok(vms) = state::list(&h.home) {
         for vm in vms {
             settle_pid(&vm);
@@ -67,13 +68,14 @@ pub fn sweep(h: &Host) -> usize {
                 known.insert(r.pid);
             }
             if let Ok(cps) = fork::list_checkpoints(h, &vm.name) {
-                known.extend(cps.iter().map(|c| c.pid));
+                templates.extend(cps.iter().map(|c| c.pid));
             }
         }
     }
+    known.extend(&templates);
     let mut ended = 0;
     for p in crate::proc::vmm_processes(&h.bins.vmm_name(), &h.home) {
-        if known.contains(&p.pid) {
+        if known.contains(&p.pid) || is_template_standby(p.pid, &templates) {
             continue;
         }
         tracing::warn!(
@@ -86,6 +88,18 @@ pub fn sweep(h: &Host) -> usize {
         }
     }
     ended
+}
+
+/// Whether `pid` is the standby of a checkpoint template: its child that
+/// waits, VM made, for the next rollback (no record names it). It still
+/// shows as the template (`tine-vmm NAME (checkpoint TAG)`); a vm a
+/// rollback started from the template names itself after its vm, and is
+/// a stray like any other if no record knows it.
+fn is_template_standby(pid: u32, templates: &std::collections::HashSet<u32>) -> bool {
+    let child = crate::proc::ProcStat::read(pid).is_some_and(|s| templates.contains(&s.ppid));
+    child
+        && std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("(checkpoint "))
 }
 
 /// A snapshot directory a failed snapshot made: removed when this
