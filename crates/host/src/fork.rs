@@ -889,6 +889,9 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
         Ok(c) => c,
         Err(e) => {
             drop(spawning);
+            // A writer the VMM started may still run (the VMM died): it
+            // ends before its directory is undone.
+            crate::reconcile::sweep(h);
             crate::reconcile::undo_snapshot_dir(intent.record());
             crate::reconcile::settle_pid(&vm);
             intent.done();

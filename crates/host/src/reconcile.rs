@@ -102,15 +102,27 @@ fn is_template_standby(pid: u32, templates: &std::collections::HashSet<u32>) -> 
             .is_ok_and(|c| String::from_utf8_lossy(&c).contains("(checkpoint "))
 }
 
-/// A snapshot directory a failed snapshot made: removed when this
-/// operation created it and it holds no complete snapshot.
+/// Undoes the directory of a snapshot that did not complete (failed, or
+/// its answer was never recorded): it must not look like a snapshot,
+/// even if the VMM finished writing it, since nothing registered the
+/// frozen disk layers it names (they may be folded or deleted) nor wrote
+/// its effects lineage. Removed when this operation created it; else the
+/// files a snapshot writes are taken out of it, its manifest first.
 pub fn undo_snapshot_dir(record: &intent::Record) {
     if let Op::Snapshot { dir, created, .. } = &record.op {
-        if dir.join(vmm::snapshot_dir::MANIFEST).is_file() {
-            return;
-        }
         if *created {
             let _ = std::fs::remove_dir_all(dir);
+            return;
+        }
+        use vmm::snapshot_dir::{MANIFEST, MEMORY, MEMORY_LAYER, STATE};
+        for f in [
+            MANIFEST,
+            STATE,
+            MEMORY,
+            MEMORY_LAYER,
+            crate::gateway::SNAPSHOT_LINEAGE,
+        ] {
+            let _ = std::fs::remove_file(dir.join(f));
         }
     }
 }
@@ -156,6 +168,10 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
             report.repointed.push(vm.name.clone());
         }
     }
+    // What no record knows (a snapshot's writer, children of a fork whose
+    // answer was lost) ends before the intents are settled, so none of it
+    // goes on writing into what they undo.
+    report.strays_ended = sweep(h);
     // Newest first: an operation inside another (the vm start of a wake)
     // is settled before the one around it.
     let mut pending = intent::pending(&h.home);
@@ -167,7 +183,7 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
             .push(format!("{}: {what}", describe(&rec.op)));
         let _ = std::fs::remove_file(path);
     }
-    report.strays_ended = sweep(h);
+    report.strays_ended += sweep(h);
     let (_, problems) = crate::layers::after_removal(h);
     for p in problems {
         tracing::warn!("{p}");
@@ -244,7 +260,7 @@ fn settle_intent(h: &Host, rec: &intent::Record) -> String {
         Op::Snapshot { vm: name, .. } => {
             undo_snapshot_dir(rec);
             wake_parent(&dir(name));
-            "an incomplete snapshot directory was removed".into()
+            "the snapshot was not recorded; its directory was removed".into()
         }
         Op::Sleep { vm: name, staging } => {
             let _ = std::fs::remove_dir_all(staging);

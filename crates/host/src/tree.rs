@@ -234,6 +234,9 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
         }
         Err(e) => {
             drop(spawning);
+            // A writer the VMM started may still run (the VMM died): it
+            // ends before its staging directory goes.
+            crate::reconcile::sweep(h);
             let _ = std::fs::remove_dir_all(&staging);
             crate::reconcile::settle_pid(&vm);
             wake_again(&vm, &r, quiesced);
