@@ -265,7 +265,12 @@ fn settle_intent(h: &Host, rec: &intent::Record) -> String {
         Op::Sleep { vm: name, staging } => {
             let _ = std::fs::remove_dir_all(staging);
             let d = dir(name);
-            if rec.phase >= Phase::Committed {
+            // The store's commit is the point of no return; the intent is
+            // marked committed just after it, so a crash in between leaves
+            // the branch sleeping in the store with the intent short of
+            // it. The store is the truth (a sleep never starts while its
+            // branch sleeps).
+            if rec.phase >= Phase::Committed || crate::tree::branch_sleeps(h, name) {
                 // The branch sleeps in the store: the vm must not run on.
                 if let Ok(r) = d.read_record() {
                     let _ = vm::remove_locked(h, &d, &r);
