@@ -380,6 +380,8 @@ pub fn wake(
             vm: name.clone(),
         },
     )?;
+    // Whether the branch was marked running (past that, the vm stays).
+    let mut marked = false;
     let res = (|| -> crate::Result<RunReport> {
         let dir = materialize(&store, b.snapshot, spec.lazy, bar)?;
         crate::fault::point("wake:materialized");
@@ -408,11 +410,25 @@ pub fn wake(
         } else {
             store.create_branch(&name, b.snapshot, BranchState::Running)?;
         }
+        marked = true;
         intent.phase(Phase::Recorded)?;
         // The time the caller waited, the materialization included.
         started.ready_ms = t0.elapsed().as_secs_f64() * 1000.0;
         Ok(started)
     })();
+    // A wake that failed before its branch was marked leaves no vm: the
+    // branch still sleeps (a stopped vm of its name beside it would make
+    // `ls` show both and refuse `tine wake` of it until a `tine rm`).
+    let res = match res {
+        Err(e) if !marked => {
+            let vm = VmDir::new(&h.home, &name);
+            if vm.dir.exists() {
+                crate::vm::undo_start(h, &vm);
+            }
+            Err(e.context(format!("branch {branch:?} was not woken; it still sleeps")))
+        }
+        res => res,
+    };
     intent.done();
     trim_cache(&store);
     res
