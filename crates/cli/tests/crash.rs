@@ -17,7 +17,8 @@
 //! checksums). At the end: the last committed snapshot wakes, `store
 //! verify` passes, and `rm` of everything leaves no process.
 //!
-//! `TINE_CRASH_ROUNDS` overrides the rounds per case (default 20).
+//! `TINE_CRASH_ROUNDS` overrides the rounds per case (default 20),
+//! `TINE_CRASH_SEED` mixes into every case's seed (other moments).
 
 mod common;
 
@@ -57,8 +58,11 @@ impl Rng {
     }
 }
 
+/// A case's seed: from its name, and `TINE_CRASH_SEED` if set (to try
+/// other moments than CI's).
 fn seed_of(what: &str) -> u64 {
-    let h = blake3::hash(what.as_bytes());
+    let extra = std::env::var("TINE_CRASH_SEED").unwrap_or_default();
+    let h = blake3::hash(format!("{what}{extra}").as_bytes());
     let mut b = [0u8; 8];
     b.copy_from_slice(&h.as_bytes()[..8]);
     u64::from_le_bytes(b)
@@ -119,15 +123,22 @@ fn state_of<'a>(rows: &'a [serde_json::Value], name: &str) -> Option<&'a str> {
         .and_then(|r| r["state"].as_str())
 }
 
-/// The state of branch `name` in `tine tree --json` (empty: none).
+/// The state of branch `name` in `tine tree --json`: its live one
+/// (running, sleeping), else `gone` if it had one, else empty.
 fn branch_state(h: &Home, name: &str) -> String {
     let t: serde_json::Value = serde_json::from_str(&h.ok(&["tree", "--json"])).expect("tree");
-    t["branches"]
+    let states: Vec<&str> = t["branches"]
         .as_array()
         .into_iter()
         .flatten()
-        .find(|b| b["name"] == name)
-        .and_then(|b| b["state"].as_str())
+        .filter(|b| b["name"] == name)
+        .filter_map(|b| b["state"].as_str())
+        .collect();
+    let live: Vec<&str> = states.iter().copied().filter(|s| *s != "gone").collect();
+    assert!(live.len() <= 1, "two live branches named {name}: {t}");
+    live.first()
+        .or(states.first())
+        .copied()
         .unwrap_or_default()
         .to_string()
 }
@@ -339,6 +350,17 @@ impl Rig {
         assert_eq!(sum(&self.h, "v"), s, "{what}: the last snapshot woke");
         let v = self.h.ok(&["store", "verify"]);
         assert!(v.contains("0 missing, 0 corrupt"), "{what}: {v}");
+        // Snapshot directories written keep their frozen layers: without
+        // them, nothing may be left.
+        for e in std::fs::read_dir(self.files.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if e.path().is_dir() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
         procs::rm_everything_leaves_no_process(&self.h, what);
     }
 }

@@ -197,7 +197,13 @@ pub fn ls_tells_the_truth(h: &Home, what: &str, settle: Duration) -> Vec<serde_j
     loop {
         let rows = h.ls();
         let procs = vmm_procs(&home);
-        let bad = disagreements(&rows, &procs);
+        let mut bad = disagreements(&rows, &procs);
+        // tined is idle (or was just started, and reconciled): no
+        // operation is unfinished.
+        let intents = entries(&h.0.path().join("intents"));
+        if !intents.is_empty() {
+            bad.push(format!("intents left unsettled: {intents:?}"));
+        }
         if bad.is_empty() {
             return rows;
         }
@@ -213,8 +219,22 @@ pub fn ls_tells_the_truth(h: &Home, what: &str, settle: Duration) -> Vec<serde_j
     }
 }
 
+/// The names in a directory (none if it is missing).
+pub fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
 /// Removes every vm and branch `ls` shows; then no process of the home may
-/// remain.
+/// remain, nor a vm directory, an intent, a staged snapshot, or (once `gc`
+/// ran) a frozen layer; and tined's log shows no panic.
 pub fn rm_everything_leaves_no_process(h: &Home, what: &str) {
     for r in h.ls() {
         let name = r["name"].as_str().unwrap_or_default().to_string();
@@ -235,7 +255,7 @@ pub fn rm_everything_leaves_no_process(h: &Home, what: &str) {
     loop {
         let left = vmm_procs(&home);
         if left.is_empty() {
-            return;
+            break;
         }
         assert!(
             Instant::now() < deadline,
@@ -243,6 +263,26 @@ pub fn rm_everything_leaves_no_process(h: &Home, what: &str) {
         );
         std::thread::sleep(Duration::from_millis(25));
     }
+    h.ok(&["gc"]);
+    let root = h.0.path();
+    for (dir, left) in [
+        ("vms", entries(&root.join("vms"))),
+        ("intents", entries(&root.join("intents"))),
+        ("store/staging", entries(&root.join("store/staging"))),
+        ("store/wake", entries(&root.join("store/wake"))),
+        ("layers", entries(&root.join("layers"))),
+    ] {
+        assert!(
+            left.is_empty(),
+            "{what}: {dir}/ holds {left:?} after rm of everything and gc"
+        );
+    }
+    let log = std::fs::read_to_string(root.join("tined.log")).unwrap_or_default();
+    assert!(
+        !log.contains("panicked"),
+        "{what}: tined panicked:\n{}",
+        super::file_tail(&root.join("tined.log"), 80)
+    );
 }
 
 /// Zombies among the children of `parents`.
