@@ -174,6 +174,7 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
     report.strays_ended = sweep(h);
     // Newest first: an operation inside another (the vm start of a wake)
     // is settled before the one around it.
+    intent::remove_partial(&h.home);
     let mut pending = intent::pending(&h.home);
     pending.reverse();
     for (path, rec) in pending {
