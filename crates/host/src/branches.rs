@@ -113,6 +113,12 @@ pub fn is_sleeping_in(home: &Path, name: &str) -> bool {
         && branch_in(home, name).is_some_and(|b| b.state == BranchState::Sleeping)
 }
 
+/// Whether branch `name` sleeps in this host's store (a vm of that name
+/// may still exist: a sleep between its commit and the vm's end).
+pub(crate) fn branch_sleeps(h: &Host, name: &str) -> bool {
+    branch_row(h, name).is_some_and(|b| b.state == BranchState::Sleeping)
+}
+
 /// Whether the store of `home` knows a running or sleeping branch `name`.
 pub fn has_branch_in(home: &Path, name: &str) -> bool {
     branch_in(home, name).is_some()

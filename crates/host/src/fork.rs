@@ -309,6 +309,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     }
     let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
+    crate::fault::point("fork:prepared");
     let res = call(
         &vm.api_socket(),
         &Request::Fork {
@@ -332,6 +333,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         }
     };
     let reply = call.reply.clone();
+    crate::fault::point("fork:answered");
     for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
         rec.pid = pid;
         rec.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -341,6 +343,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         moved(&vm, &mut r, pid)?;
     }
     intent.phase(Phase::Recorded)?;
+    crate::fault::point("fork:recorded");
     drop(spawning);
     // Recorded: the old VMM may go.
     drop(call);
@@ -552,6 +555,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
         }
     };
     let reply = call.reply.clone();
+    crate::fault::point("checkpoint:answered");
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }
@@ -661,6 +665,7 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
         crate::vm::kill_stopped(&r)?;
     }
     let _ = std::fs::remove_file(vm.exit_path());
+    crate::fault::point("rollback:killed");
     let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let call = match call(
@@ -792,6 +797,9 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
         Ok(c) => c,
         Err(e) => {
             drop(spawning);
+            // A writer the VMM started may still run (the VMM died): it
+            // ends before its directory is undone.
+            crate::settle::sweep(h);
             crate::settle::undo_snapshot_dir(intent.record());
             crate::settle::settle_pid(&vm);
             intent.done();
@@ -799,6 +807,7 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
         }
     };
     let reply = call.reply.clone();
+    crate::fault::point("snapshot:answered");
     if let Some(pid) = reply.continuation_pid {
         moved(&vm, &mut r, pid)?;
     }

@@ -129,6 +129,20 @@ impl Intent {
     }
 }
 
+/// Removes what a process killed in the middle of writing an intent left
+/// (`ID.json.tmp.PID`, never renamed into place): called by reconcile,
+/// before any operation runs. Returns how many.
+pub fn remove_partial(home: &Path) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir(home)) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_none_or(|x| x != "json"))
+        .filter(|p| std::fs::remove_file(p).is_ok())
+        .count()
+}
+
 /// Every intent left in `home`, oldest first.
 pub fn pending(home: &Path) -> Vec<(PathBuf, Record)> {
     let Ok(rd) = std::fs::read_dir(dir(home)) else {
@@ -175,5 +189,17 @@ mod tests {
         assert!(matches!(&p[0].1.op, Op::Fork { vm, .. } if vm == "a"));
         i.done();
         assert!(pending(home.path()).is_empty());
+    }
+
+    #[test]
+    fn test_a_half_written_intent_is_removed() {
+        let home = tempfile::tempdir().expect("tempdir");
+        let i = Intent::begin(home.path(), Op::Remove { vm: "a".into() }).expect("begin");
+        let partial = dir(home.path()).join("0123.tmp.42");
+        std::fs::write(&partial, b"{\"id\":").expect("write");
+        assert_eq!(remove_partial(home.path()), 1);
+        assert!(!partial.exists());
+        assert_eq!(pending(home.path()).len(), 1, "whole intents stay");
+        i.done();
     }
 }

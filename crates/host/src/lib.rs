@@ -18,6 +18,7 @@ pub mod checkpoints;
 pub mod contract;
 pub mod error;
 pub mod exec;
+pub mod fault;
 pub mod fork;
 pub mod gateway;
 pub mod intent;
@@ -92,6 +93,7 @@ pub const CONFIG_ENV: &[&str] = &[
     "TINE_STORE_CACHE",
     "TINE_STORE_FAULT",
     "TINE_EFFECTS_FAULT",
+    "TINE_HOST_FAULT",
     "TINE_KVM_DEVICE",
     "TINE_LOG",
     "TINE_VMM_BIN",

@@ -42,8 +42,13 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
             report.repointed.push(vm.name.clone());
         }
     }
+    // What no record knows (a snapshot's writer, children of a fork whose
+    // answer was lost) ends before the intents are settled, so none of it
+    // goes on writing into what they undo.
+    report.strays_ended = sweep(h);
     // Newest first: an operation inside another (the vm start of a wake)
     // is settled before the one around it.
+    intent::remove_partial(&h.home);
     let mut pending = intent::pending(&h.home);
     pending.reverse();
     for (path, rec) in pending {
@@ -53,7 +58,7 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
             .push(format!("{}: {what}", describe(&rec.op)));
         let _ = std::fs::remove_file(path);
     }
-    report.strays_ended = sweep(h);
+    report.strays_ended += sweep(h);
     let (_, problems) = crate::layers::after_removal(h);
     for p in problems {
         tracing::warn!("{p}");
@@ -130,12 +135,17 @@ fn settle_intent(h: &Host, rec: &intent::Record) -> String {
         Op::Snapshot { vm: name, .. } => {
             undo_snapshot_dir(rec);
             wake_parent(&dir(name));
-            "an incomplete snapshot directory was removed".into()
+            "the snapshot was not recorded; its directory was removed".into()
         }
         Op::Sleep { vm: name, staging } => {
             let _ = std::fs::remove_dir_all(staging);
             let d = dir(name);
-            if rec.phase >= Phase::Committed {
+            // The store's commit is the point of no return; the intent is
+            // marked committed just after it, so a crash in between leaves
+            // the branch sleeping in the store with the intent short of
+            // it. The store is the truth (a sleep never starts while its
+            // branch sleeps).
+            if rec.phase >= Phase::Committed || crate::branches::branch_sleeps(h, name) {
                 // The branch sleeps in the store: the vm must not run on.
                 if let Ok(r) = d.read_record() {
                     let _ = vm::remove_locked(h, &d, &r);

@@ -50,11 +50,6 @@ pub fn settle_pid(vm: &VmDir) -> bool {
 
 /// Ends every VMM process of this home that no record knows (vms and
 /// checkpoint templates). Returns how many.
-///
-/// A checkpoint template keeps a standby child, made in advance so that
-/// its next rollback starts at once; no record names it, but it belongs
-/// to its template (its parent) and ends with it. Ending it would make
-/// that rollback fail after the vm was already stopped.
 pub fn sweep(h: &Host) -> usize {
     let _all = SPAWNING.write().unwrap_or_else(|e| e.into_inner());
     let mut known = std::collections::HashSet::new();
@@ -73,12 +68,7 @@ pub fn sweep(h: &Host) -> usize {
     known.extend(&templates);
     let mut ended = 0;
     for p in crate::proc::vmm_processes(&h.bins.vmm_name(), &h.home) {
-        if known.contains(&p.pid) {
-            continue;
-        }
-        // A live template's child: its standby (the template is alive,
-        // so the parent pid is that template and not a reused one).
-        if crate::proc::ProcStat::read(p.pid).is_some_and(|st| templates.contains(&st.ppid)) {
+        if known.contains(&p.pid) || is_template_standby(p.pid, &templates) {
             continue;
         }
         tracing::warn!(
@@ -93,15 +83,39 @@ pub fn sweep(h: &Host) -> usize {
     ended
 }
 
-/// A snapshot directory a failed snapshot made: removed when this
-/// operation created it and it holds no complete snapshot.
+/// Whether `pid` is the standby of a checkpoint template: its child that
+/// waits, VM made, for the next rollback (no record names it). It still
+/// shows as the template (`tine-vmm NAME (checkpoint TAG)`); a vm a
+/// rollback started from the template names itself after its vm, and is
+/// a stray like any other if no record knows it.
+fn is_template_standby(pid: u32, templates: &std::collections::HashSet<u32>) -> bool {
+    let child = crate::proc::ProcStat::read(pid).is_some_and(|s| templates.contains(&s.ppid));
+    child
+        && std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("(checkpoint "))
+}
+
+/// Undoes the directory of a snapshot that did not complete (failed, or
+/// its answer was never recorded): it must not look like a snapshot,
+/// even if the VMM finished writing it, since nothing registered the
+/// frozen disk layers it names (they may be folded or deleted) nor wrote
+/// its effects lineage. Removed when this operation created it; else the
+/// files a snapshot writes are taken out of it, its manifest first.
 pub fn undo_snapshot_dir(record: &intent::Record) {
     if let Op::Snapshot { dir, created, .. } = &record.op {
-        if dir.join(vmm::snapshot_dir::MANIFEST).is_file() {
-            return;
-        }
         if *created {
             let _ = std::fs::remove_dir_all(dir);
+            return;
+        }
+        use vmm::snapshot_dir::{MANIFEST, MEMORY, MEMORY_LAYER, STATE};
+        for f in [
+            MANIFEST,
+            STATE,
+            MEMORY,
+            MEMORY_LAYER,
+            crate::gateway::SNAPSHOT_LINEAGE,
+        ] {
+            let _ = std::fs::remove_file(dir.join(f));
         }
     }
 }

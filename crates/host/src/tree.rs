@@ -162,6 +162,7 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     let reply = match res {
         Ok(c) if c.reply.error.is_none() => {
             let reply = c.reply.clone();
+            crate::fault::point("sleep:answered");
             if let Some(pid) = reply.continuation_pid {
                 r.pid = pid;
                 r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -184,6 +185,9 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
         }
         Err(e) => {
             drop(spawning);
+            // A writer the VMM started may still run (the VMM died): it
+            // ends before its staging directory goes.
+            crate::settle::sweep(h);
             let _ = std::fs::remove_dir_all(&staging);
             crate::settle::settle_pid(&vm);
             wake_again(&vm, &r, quiesced);
@@ -213,7 +217,9 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
             return Err(e.context(format!("{name:?} did not go to sleep; it runs on")));
         }
     };
+    crate::fault::point("sleep:stored");
     intent.phase(Phase::Committed)?;
+    crate::fault::point("sleep:committed");
     let store_ms = t1.elapsed().as_secs_f64() * 1000.0;
     // Committed: the vm ends, its branch sleeps in the store.
     let removed = crate::vm::remove_locked(h, &vm, &r)?;
@@ -325,8 +331,11 @@ pub fn wake(
             vm: name.clone(),
         },
     )?;
+    // Whether the branch was marked running (past that, the vm stays).
+    let mut marked = false;
     let res = (|| -> crate::Result<RunReport> {
         let dir = materialize(&store, b.snapshot, spec.lazy, bar)?;
+        crate::fault::point("wake:materialized");
         let shown = store
             .blob(b.snapshot, gateway::SNAPSHOT_LINEAGE)
             .ok()
@@ -340,6 +349,7 @@ pub fn wake(
         run.shown_image = Some(shown.unwrap_or_else(|| format!("branch {branch}")));
         intent.phase(Phase::Asked)?;
         let mut started = crate::vm::start_reserved(h, run)?;
+        crate::fault::point("wake:started");
         let vm = VmDir::new(&h.home, &name);
         let link = BranchLink {
             branch: name.clone(),
@@ -351,11 +361,25 @@ pub fn wake(
         } else {
             store.create_branch(&name, b.snapshot, BranchState::Running)?;
         }
+        marked = true;
         intent.phase(Phase::Recorded)?;
         // The time the caller waited, the materialization included.
         started.ready_ms = t0.elapsed().as_secs_f64() * 1000.0;
         Ok(started)
     })();
+    // A wake that failed before its branch was marked leaves no vm: the
+    // branch still sleeps (a stopped vm of its name beside it would make
+    // `ls` show both and refuse `tine wake` of it until a `tine rm`).
+    let res = match res {
+        Err(e) if !marked => {
+            let vm = VmDir::new(&h.home, &name);
+            if vm.dir.exists() {
+                crate::vm::undo_start(h, &vm);
+            }
+            Err(e.context(format!("branch {branch:?} was not woken; it still sleeps")))
+        }
+        res => res,
+    };
     intent.done();
     trim_cache(&store);
     res

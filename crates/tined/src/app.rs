@@ -112,6 +112,10 @@ pub struct Health {
     pub home: String,
     pub uptime_s: u64,
     pub operations_running: usize,
+    /// Engine calls running (fork, checkpoint, rm, ...), those whose
+    /// client went away included.
+    #[serde(default)]
+    pub engine_calls_running: usize,
 }
 
 #[utoipa::path(get, path = "/v1/health", tag = "meta", responses((status = 200, body = Health)))]
@@ -125,6 +129,7 @@ pub async fn health(State(s): State<Shared>) -> Json<Health> {
         home: s.host.home.display().to_string(),
         uptime_s: s.started.elapsed().as_secs(),
         operations_running: s.ops.running(),
+        engine_calls_running: crate::state::engine_calls(),
     })
 }
 

@@ -290,7 +290,9 @@ async fn drain(state: &tined::state::Shared) {
     state.draining.store(true, Ordering::Relaxed);
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
     // The shutdown request itself is in flight until it is answered.
-    while (state.in_flight.load(Ordering::Relaxed) > 1 || state.ops.running() > 0)
+    while (state.in_flight.load(Ordering::Relaxed) > 1
+        || state.ops.running() > 0
+        || tined::state::engine_calls() > 0)
         && std::time::Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(10)).await;

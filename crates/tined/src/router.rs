@@ -110,13 +110,11 @@ async fn count_requests(
     // does not wait for them.
     let streaming =
         path.ends_with("/attach") || path.ends_with("/events") || path.ends_with("/console");
-    if !streaming {
-        s.in_flight.fetch_add(1, Ordering::Relaxed);
-    }
+    // Counted down on drop: hyper drops the handler of a request whose
+    // client went away, and that one is no longer in flight either.
+    let counted = (!streaming).then(|| InFlight::new(&s.in_flight));
     let res = next.run(req).await;
-    if !streaming {
-        s.in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
+    drop(counted);
     s.metrics
         .requests
         .get_or_create(&crate::metrics::RequestLabels {
@@ -125,6 +123,22 @@ async fn count_requests(
         })
         .inc();
     res
+}
+
+/// One request counted in flight until dropped.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> InFlight<'a> {
+        n.fetch_add(1, Ordering::Relaxed);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Answers a request for a path no route has.

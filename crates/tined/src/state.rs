@@ -144,12 +144,43 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
     })
 }
 
-/// Runs an engine call on the blocking pool.
+/// Engine calls on the blocking pool that have not returned, those whose
+/// client went away (and whose handler was dropped) included.
+static ENGINE_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many engine calls run now (see [`blocking`]).
+pub fn engine_calls() -> usize {
+    ENGINE_CALLS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Counts one engine call from its request until it returned.
+struct EngineCall;
+
+impl EngineCall {
+    fn new() -> EngineCall {
+        ENGINE_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        EngineCall
+    }
+}
+
+impl Drop for EngineCall {
+    fn drop(&mut self) {
+        ENGINE_CALLS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Runs an engine call on the blocking pool. It runs to its end even if
+/// the request's handler is dropped (its client went away); until then it
+/// counts in [`engine_calls`], which a shutdown waits for.
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> host::Result<T> + Send + 'static,
 ) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
-        .map_err(ApiError::from)
+    let call = EngineCall::new();
+    tokio::task::spawn_blocking(move || {
+        let _call = call;
+        f()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
+    .map_err(ApiError::from)
 }

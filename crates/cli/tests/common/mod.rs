@@ -1,6 +1,8 @@
 //! Shared helpers for tests that run the real `tine` binary on real KVM.
 #![allow(dead_code)]
 
+pub mod procs;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
