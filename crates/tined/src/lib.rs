@@ -10,6 +10,7 @@ pub mod error;
 pub mod events;
 pub mod idem;
 pub mod images;
+pub mod logfile;
 pub mod metrics;
 pub mod openapi;
 pub mod ops;

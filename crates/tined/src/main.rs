@@ -301,10 +301,14 @@ async fn drain(state: &tined::state::Shared) {
 
 /// Resolves when tined should exit on its own: its socket or home was
 /// removed (a test's temporary home), or it was idle for `idle_exit`
-/// seconds with no vm running and nothing in flight.
+/// seconds with no vm running and nothing in flight. Meanwhile it keeps
+/// the log file bounded (`tined::logfile`).
 async fn watch_home(state: tined::state::Shared, sock: PathBuf, idle_exit: u64) -> String {
+    let log_max = tined::logfile::max_bytes();
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
+        // The log file the CLI gave this tined stays bounded.
+        let _ = tokio::task::spawn_blocking(move || tined::logfile::bound_stdio(log_max)).await;
         if !sock.exists() {
             return format!("{} was removed", sock.display());
         }
