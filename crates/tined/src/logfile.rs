@@ -32,7 +32,7 @@ fn appended_file(fd: BorrowedFd<'_>) -> Option<(PathBuf, u64)> {
     }
     let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
     let meta = std::fs::metadata(&path).ok()?;
-    meta.is_file().then(|| (path, meta.len()))
+    meta.is_file().then_some((path, meta.len()))
 }
 
 /// If `fd` appends to a regular file longer than `max`, moves its content

@@ -157,12 +157,10 @@ pub fn disagreements(rows: &[serde_json::Value], procs: &[VmmProc]) -> Vec<Strin
                     ));
                 }
             }
-            "checkpoint" => {
-                if !procs.iter().any(|p| p.name == name) {
-                    out.push(format!(
-                        "checkpoint {name} is listed but no template process runs"
-                    ));
-                }
+            "checkpoint" if !procs.iter().any(|p| p.name == name) => {
+                out.push(format!(
+                    "checkpoint {name} is listed but no template process runs"
+                ));
             }
             _ => {}
         }
