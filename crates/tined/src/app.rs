@@ -139,11 +139,18 @@ pub fn app(state: Shared) -> Router {
         .with_state(state)
 }
 
+tokio::task_local! {
+    /// Microseconds the request being answered spent in engine calls
+    /// ([`blocking`]), for its `Server-Timing` header.
+    static ENGINE_US: std::cell::Cell<u64>;
+}
+
 async fn count_requests(
     State(s): State<Shared>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
+    let t0 = Instant::now();
     s.last_request
         .store(host::state::now_ms(), Ordering::Relaxed);
     let method = req.method().to_string();
@@ -163,9 +170,25 @@ async fn count_requests(
     if !streaming {
         s.in_flight.fetch_add(1, Ordering::Relaxed);
     }
-    let res = next.run(req).await;
+    let (mut res, engine_us) = ENGINE_US
+        .scope(std::cell::Cell::new(0), async move {
+            let res = next.run(req).await;
+            (res, ENGINE_US.with(std::cell::Cell::get))
+        })
+        .await;
     if !streaming {
         s.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+    // Where the time went: in the engine, and in tined as a whole (until
+    // the answer's head is ready); the rest of a client's wait is the
+    // connection and HTTP. bench/api reads it.
+    let timing = format!(
+        "engine;dur={:.3}, handler;dur={:.3}",
+        engine_us as f64 / 1000.0,
+        t0.elapsed().as_secs_f64() * 1000.0
+    );
+    if let Ok(v) = axum::http::HeaderValue::from_str(&timing) {
+        res.headers_mut().insert("server-timing", v);
     }
     s.metrics
         .requests
@@ -234,10 +257,16 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> host::Result<T> + Send + 'static,
 ) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
-        .map_err(ApiError::from)
+    let (res, took) = tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        let res = f();
+        (res, t.elapsed())
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?;
+    // Outside a request (no scope) there is nothing to report to.
+    let _ = ENGINE_US.try_with(|c| c.set(c.get() + took.as_micros() as u64));
+    res.map_err(ApiError::from)
 }
 
 fn json<T: Serialize>(v: &T) -> ApiResult<serde_json::Value> {
