@@ -1,9 +1,9 @@
 //! The HTTP API: `app()` builds the router over the engine (crates/host).
-//! Every handler parses and checks its input, runs the engine's call on
-//! the blocking pool (the engine is synchronous: it talks to VMMs over
-//! Unix sockets and waits on processes) and answers JSON. A client that
-//! goes away does not cancel the operation: the blocking task runs to its
-//! end and records what it did.
+//! Every handler parses and checks its input, runs the engine's call
+//! ([`blocking`]: the engine is synchronous, it talks to VMMs over Unix
+//! sockets and waits on processes) and answers JSON. A client that goes
+//! away does not cancel the operation: the call runs to its end and
+//! records what it did.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -253,20 +253,35 @@ pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
     })
 }
 
-/// Runs an engine call on the blocking pool.
+/// Runs an engine call. On tined's multi-threaded runtime it runs right
+/// here, on this worker thread (`block_in_place`: the worker's other tasks
+/// move to another thread meanwhile), not on the blocking pool: handing
+/// the call to a pool thread and the answer back costs two thread wake-ups
+/// per request, most of the API's cost over the engine on a loaded host
+/// (bench/api). Either way the call runs to its end even if the client
+/// goes away: a future cannot be dropped in the middle of it.
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> host::Result<T> + Send + 'static,
 ) -> ApiResult<T> {
-    let (res, took) = tokio::task::spawn_blocking(move || {
+    let timed = move || {
         let t = Instant::now();
-        let res = f();
+        // A panic is an answer (500), as from a pool thread.
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
         (res, t.elapsed())
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?;
+    };
+    let multi = tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::MultiThread;
+    let (res, took) = if multi {
+        tokio::task::block_in_place(timed)
+    } else {
+        tokio::task::spawn_blocking(timed)
+            .await
+            .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
+    };
     // Outside a request (no scope) there is nothing to report to.
     let _ = ENGINE_US.try_with(|c| c.set(c.get() + took.as_micros() as u64));
-    res.map_err(ApiError::from)
+    res.map_err(|_| ApiError::internal("the operation panicked (see tined.log)"))?
+        .map_err(ApiError::from)
 }
 
 fn json<T: Serialize>(v: &T) -> ApiResult<serde_json::Value> {
