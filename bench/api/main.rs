@@ -36,8 +36,12 @@
 //!    `GET /v1/vms` with all of them); all removed after.
 //!
 //! Run: `bench/api/run [--secs N] [--forks N] [--pings N] [--vms N]
-//! [--only overhead,console,sustained,many]` (builds the workspace in
-//! release first). Last line: name=value pairs.
+//! [--only overhead,console,sustained,many] [--baseline-tined PATH]`
+//! (builds the workspace in release first). `--baseline-tined` adds, to
+//! phase 1, API forks through another tined binary (a copy of an older
+//! build) in a home of its own, interleaved with the others: before/after
+//! of a change to tined in one run, under the same load. Last line:
+//! name=value pairs.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -339,9 +343,15 @@ struct Tined {
     api: Api,
 }
 
-fn start_tined(bins: &Path, home: &Path) -> anyhow::Result<Tined> {
+fn start_tined(tined: &Path, bins: &Path, home: &Path) -> anyhow::Result<Tined> {
     let log = std::fs::File::create(home.join("tined.log"))?;
-    let child = Command::new(bins.join("tined"))
+    let mut cmd = Command::new(tined);
+    if tined.parent() != Some(bins) {
+        // A copy elsewhere: it starts this build's VMM and gateway.
+        cmd.env("TINE_VMM_BIN", bins.join("tine-vmm"))
+            .env("TINE_GATEWAY_BIN", bins.join("tine-gateway"));
+    }
+    let child = cmd
         .arg("--home")
         .arg(home)
         .env("TINE_HOME", home)
@@ -417,6 +427,8 @@ struct Opts {
     pings: usize,
     vms: usize,
     only: Vec<String>,
+    /// Another tined binary to compare with in phase 1 (a home of its own).
+    baseline: Option<PathBuf>,
 }
 
 impl Opts {
@@ -427,6 +439,7 @@ impl Opts {
             pings: 50,
             vms: 100,
             only: Vec::new(),
+            baseline: None,
         };
         let a: Vec<String> = std::env::args().skip(1).collect();
         let mut i = 0;
@@ -438,12 +451,13 @@ impl Opts {
                 "--pings" => o.pings = val()?.parse()?,
                 "--vms" => o.vms = val()?.parse()?,
                 "--only" => o.only = val()?.split(',').map(str::to_string).collect(),
+                "--baseline-tined" => o.baseline = Some(PathBuf::from(val()?)),
                 // cargo bench passes --bench.
                 "--bench" => {
                     i += 1;
                     continue;
                 }
-                x => bail!("unknown flag {x} (--secs N --forks N --pings N --vms N --only LIST)"),
+                x => bail!("unknown flag {x} (--secs N --forks N --pings N --vms N --only LIST --baseline-tined PATH)"),
             }
             i += 2;
         }
@@ -463,6 +477,8 @@ struct Bench {
     /// Home B: tined.
     home_b: PathBuf,
     tined: Tined,
+    /// Home C and the baseline tined serving it (--baseline-tined).
+    baseline: Option<(PathBuf, Tined)>,
     base: PathBuf,
     pairs: Vec<String>,
 }
@@ -486,6 +502,14 @@ impl Bench {
             "/v1/vms",
             &spec_json(&run_spec("pb", PARENT_MIB, Some(&self.base)))?,
         )?;
+        if let Some((home_c, t)) = &self.baseline {
+            t.api.post(
+                "/v1/vms",
+                &spec_json(&run_spec("pc", PARENT_MIB, Some(&self.base)))?,
+            )?;
+            let c = home_c.join("vms/pc/console.log");
+            wait_for(|| Ok(std::fs::read(&c)?), b"READY", Duration::from_millis(5))?;
+        }
         let a = self.engine.home.join("vms/pa/console.log");
         let b = self.home_b.join("vms/pb/console.log");
         wait_for(|| Ok(std::fs::read(&a)?), b"READY", Duration::from_millis(5))?;
@@ -518,31 +542,19 @@ impl Bench {
             info_lib.push(ms(t.elapsed()));
         }
         // Forks, interleaved (the order rotates each round).
-        #[derive(Default)]
-        struct Series {
-            fork: Vec<f64>,
-            rm: Vec<f64>,
-            outside: Vec<f64>,
-            engine_total: Vec<f64>,
-            /// From Server-Timing: fork and rm in the engine (in tined),
-            /// and the wall time outside it: in tined, and in all.
-            fork_engine: Vec<f64>,
-            fork_tined: Vec<f64>,
-            fork_added: Vec<f64>,
-            rm_engine: Vec<f64>,
-            rm_added: Vec<f64>,
-        }
         let mut lib = Series::default();
         let mut http = Series::default();
         let mut idem = Series::default();
+        let mut base = Series::default();
         let pid = std::process::id();
+        let kinds = if self.baseline.is_some() { 4 } else { 3 };
         for i in 0..n {
             if stopped() {
                 break;
             }
-            for k in 0..3 {
+            for k in 0..kinds {
                 std::thread::sleep(SETTLE);
-                match (i + k) % 3 {
+                match (i + k) % kinds {
                     0 => {
                         let t = Instant::now();
                         let r = host::fork::fork(&self.engine, "pa", &fork_spec())
@@ -556,42 +568,14 @@ impl Bench {
                             .map_err(|e| anyhow::anyhow!("in-process rm: {e}"))?;
                         lib.rm.push(ms(t.elapsed()));
                     }
-                    j => {
+                    1 => api_cycle(api, "pb", &[], &mut http)?,
+                    2 => {
                         let key = format!("bench-{pid}-{i}");
-                        let h: Vec<(&str, &str)> = if j == 2 {
-                            vec![("idempotency-key", &key)]
-                        } else {
-                            vec![]
-                        };
-                        let s = if j == 2 { &mut idem } else { &mut http };
-                        let t = Instant::now();
-                        let resp = api
-                            .request(
-                                "POST",
-                                "/v1/vms/pb/fork",
-                                Some(&serde_json::json!({"count": 1})),
-                                &h,
-                            )?
-                            .ok("fork")?;
-                        let w = ms(t.elapsed());
-                        let r = resp.json()?;
-                        if let Some((engine, handler)) = resp.timing {
-                            s.fork_engine.push(engine);
-                            s.fork_tined.push(handler - engine);
-                            s.fork_added.push(w - engine);
-                        }
-                        let total = r["total_ms"].as_f64().context("total_ms")?;
-                        s.fork.push(w);
-                        s.outside.push(w - total);
-                        s.engine_total.push(total);
-                        let child = r["names"][0].as_str().context("names")?.to_string();
-                        let t = Instant::now();
-                        let resp = api.delete(&format!("/v1/vms/{child}?force=true"))?;
-                        let w = ms(t.elapsed());
-                        s.rm.push(w);
-                        if let Some((engine, _)) = resp.timing {
-                            s.rm_engine.push(engine);
-                            s.rm_added.push(w - engine);
+                        api_cycle(api, "pb", &[("idempotency-key", &key)], &mut idem)?
+                    }
+                    _ => {
+                        if let Some(b) = &self.baseline {
+                            api_cycle(&b.1.api, "pc", &[], &mut base)?
                         }
                     }
                 }
@@ -633,8 +617,8 @@ impl Bench {
         if !http.fork_added.is_empty() {
             println!("   tined's Server-Timing (the engine's call timed inside tined, per request):");
             println!("     fork in the engine, in tined       {}", show(&http.fork_engine));
-            println!("     fork: tined outside the engine     {}", show(&http.fork_tined));
             println!("     fork: wall - engine (API's cost)   {}", show(&http.fork_added));
+            println!("       of which in tined's handler      {}", show(&http.fork_tined));
             println!("     same with an idempotency key       {}", show(&idem.fork_added));
             println!("     rm in the engine, in tined         {}", show(&http.rm_engine));
             println!("     rm: wall - engine (API's cost)     {}", show(&http.rm_added));
@@ -644,6 +628,24 @@ impl Bench {
                 p50(&idem.fork_added),
                 p50(&http.rm_added)
             );
+            if self.baseline.is_some() {
+                let b = &base;
+                println!("   baseline tined ({}), interleaved with the above:", self.opts.baseline.as_deref().map(|p| p.display().to_string()).unwrap_or_default());
+                println!("     fork, API                          {}", show(&b.fork));
+                println!("     fork in the engine, in tined       {}", show(&b.fork_engine));
+                println!("     fork: wall - engine (API's cost)   {}", show(&b.fork_added));
+                println!("       of which in tined's handler      {}", show(&b.fork_tined));
+                println!("     rm: wall - engine (API's cost)     {}", show(&b.rm_added));
+                println!(
+                    "   => this tined's API cost per fork: {:.3} ms at p50, the baseline's {:.3} ms",
+                    p50(&http.fork_added),
+                    p50(&b.fork_added)
+                );
+                self.pair("fork_api_cost_ms_p50_baseline", p50(&b.fork_added));
+                self.pair("fork_api_tined_ms_p50_baseline", p50(&b.fork_tined));
+                self.pair("rm_api_cost_ms_p50_baseline", p50(&b.rm_added));
+            }
+            self.pair("fork_api_tined_ms_p50", p50(&http.fork_tined));
             self.pair("fork_api_cost_ms_p50", p50(&http.fork_added));
             self.pair("fork_api_cost_ms_p90", p90(&http.fork_added));
             self.pair("fork_api_idem_cost_ms_p50", p50(&idem.fork_added));
@@ -999,19 +1001,87 @@ impl Bench {
             .api
             .post("/v1/gateway", &serde_json::json!({"action": "stop"}));
         let _ = self.tined.api.post("/v1/shutdown", &serde_json::json!({}));
+        if let Some((_, t)) = &self.baseline {
+            for n in ["pc-1", "pc"] {
+                let _ = t.api.delete(&format!("/v1/vms/{n}?force=true"));
+            }
+            let _ = t.api.post("/v1/shutdown", &serde_json::json!({}));
+        }
         std::thread::sleep(Duration::from_millis(500));
-        for home in [&self.engine.home, &self.home_b] {
+        let mut homes = vec![&self.engine.home, &self.home_b];
+        homes.extend(self.baseline.as_ref().map(|b| &b.0));
+        for home in homes {
             for p in host::proc::vmm_processes("tine-vmm", home) {
                 // SAFETY: kill(2) of a VMM of this bench's own home.
                 unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
             }
         }
-        if Path::new(&format!("/proc/{}", self.tined.pid)).exists() {
-            // SAFETY: kill(2) of the tined this bench started.
-            unsafe { libc::kill(self.tined.pid as i32, libc::SIGTERM) };
+        let mut pids = vec![self.tined.pid];
+        pids.extend(self.baseline.as_ref().map(|b| b.1.pid));
+        for pid in pids {
+            if Path::new(&format!("/proc/{pid}")).exists() {
+                // SAFETY: kill(2) of a tined this bench started.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            }
         }
         let _ = std::fs::remove_dir_all(&self.scratch);
     }
+}
+
+/// One variant's numbers in phase 1.
+#[derive(Default)]
+struct Series {
+    fork: Vec<f64>,
+    rm: Vec<f64>,
+    /// wall - the report's total_ms.
+    outside: Vec<f64>,
+    engine_total: Vec<f64>,
+    /// From Server-Timing: fork and rm in the engine (in tined), and the
+    /// wall time outside it: in tined, and in all.
+    fork_engine: Vec<f64>,
+    fork_tined: Vec<f64>,
+    fork_added: Vec<f64>,
+    rm_engine: Vec<f64>,
+    rm_added: Vec<f64>,
+}
+
+/// Fork `parent` into one child through `api`, then remove the child.
+fn api_cycle(
+    api: &Api,
+    parent: &str,
+    headers: &[(&str, &str)],
+    s: &mut Series,
+) -> anyhow::Result<()> {
+    let t = Instant::now();
+    let resp = api
+        .request(
+            "POST",
+            &format!("/v1/vms/{parent}/fork"),
+            Some(&serde_json::json!({"count": 1})),
+            headers,
+        )?
+        .ok("fork")?;
+    let w = ms(t.elapsed());
+    let r = resp.json()?;
+    if let Some((engine, handler)) = resp.timing {
+        s.fork_engine.push(engine);
+        s.fork_tined.push(handler - engine);
+        s.fork_added.push(w - engine);
+    }
+    let total = r["total_ms"].as_f64().context("total_ms")?;
+    s.fork.push(w);
+    s.outside.push(w - total);
+    s.engine_total.push(total);
+    let child = r["names"][0].as_str().context("names")?.to_string();
+    let t = Instant::now();
+    let resp = api.delete(&format!("/v1/vms/{child}?force=true"))?;
+    let w = ms(t.elapsed());
+    s.rm.push(w);
+    if let Some((engine, _)) = resp.timing {
+        s.rm_engine.push(engine);
+        s.rm_added.push(w - engine);
+    }
+    Ok(())
 }
 
 fn paired_sum(a: &[f64], b: &[f64]) -> Vec<f64> {
@@ -1105,7 +1175,22 @@ fn run() -> anyhow::Result<()> {
             gateway: bins.join("tine-gateway"),
         },
     );
-    let tined = start_tined(&bins, &home_b)?;
+    let tined = start_tined(&bins.join("tined"), &bins, &home_b)?;
+    let baseline = match &opts.baseline {
+        Some(bin) => {
+            let home_c = new_home(&scratch, "c")?;
+            match start_tined(bin, &bins, &home_c) {
+                Ok(t) => Some((home_c, t)),
+                Err(e) => {
+                    // SAFETY: kill(2) of the tined this bench started.
+                    unsafe { libc::kill(tined.pid as i32, libc::SIGTERM) };
+                    let _ = std::fs::remove_dir_all(&scratch);
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
     let mut b = Bench {
         opts,
         bins,
@@ -1113,6 +1198,7 @@ fn run() -> anyhow::Result<()> {
         engine,
         home_b,
         tined,
+        baseline,
         base,
         pairs: Vec::new(),
     };
