@@ -34,6 +34,32 @@ pub struct Idempotency {
     expired_ms: std::sync::atomic::AtomicU64,
 }
 
+/// A request's hold on its key's lock entry ([`Idempotency::lock`]).
+pub struct InFlight<'a> {
+    idem: &'a Idempotency,
+    key: String,
+    lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl InFlight<'_> {
+    pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.lock.lock().await
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut m = self.idem.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        // Clones are made only under the map's lock: the map's and ours
+        // left means nobody else waits.
+        if Arc::strong_count(&self.lock) == 2
+            && m.get(&self.key).is_some_and(|a| Arc::ptr_eq(a, &self.lock))
+        {
+            m.remove(&self.key);
+        }
+    }
+}
+
 impl Idempotency {
     pub fn new(home: &std::path::Path) -> Self {
         Idempotency {
@@ -50,10 +76,22 @@ impl Idempotency {
         ))
     }
 
-    /// The lock of `key`: held while its request runs.
-    pub fn lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+    /// The lock of `key`: held while its request runs. The entry goes
+    /// when the last request that holds it is done (every key once in a
+    /// map that never shrank was a leak, one entry per fork for an SDK that
+    /// sends a key with each).
+    pub fn lock(&self, key: &str) -> InFlight<'_> {
         let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
-        m.entry(key.to_string()).or_default().clone()
+        InFlight {
+            idem: self,
+            key: key.to_string(),
+            lock: m.entry(key.to_string()).or_default().clone(),
+        }
+    }
+
+    /// Keys with a request running or waiting.
+    pub fn in_flight(&self) -> usize {
+        self.inflight.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The stored answer for `key`, if a fresh one exists.
@@ -98,5 +136,33 @@ impl Idempotency {
                 let _ = std::fs::remove_file(e.path());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn test_a_done_key_leaves_no_entry_and_repeats_still_wait() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let idem = Idempotency::new(dir.path());
+        {
+            let a = idem.lock("k");
+            let held = a.lock().await;
+            // A repeat of the same key shares the entry and waits.
+            let b = idem.lock("k");
+            assert!(b.lock.try_lock().is_err());
+            drop(held);
+            drop(a);
+            assert_eq!(idem.in_flight(), 1, "b still holds it");
+            drop(b);
+        }
+        assert_eq!(idem.in_flight(), 0);
+        for i in 0..100 {
+            let l = idem.lock(&format!("key-{i}"));
+            let _g = l.lock().await;
+        }
+        assert_eq!(idem.in_flight(), 0);
     }
 }
