@@ -90,6 +90,7 @@ async fn count_requests(
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
+    let t0 = std::time::Instant::now();
     s.last_request
         .store(host::state::now_ms(), Ordering::Relaxed);
     // A label of a bounded set: a client may send any method name.
@@ -113,8 +114,24 @@ async fn count_requests(
     // Counted down on drop: hyper drops the handler of a request whose
     // client went away, and that one is no longer in flight either.
     let counted = (!streaming).then(|| InFlight::new(&s.in_flight));
-    let res = next.run(req).await;
+    let (mut res, engine_us) = crate::state::ENGINE_US
+        .scope(std::cell::Cell::new(0), async move {
+            let res = next.run(req).await;
+            (res, crate::state::ENGINE_US.with(std::cell::Cell::get))
+        })
+        .await;
     drop(counted);
+    // Where the time went: in the engine, and in tined as a whole (until
+    // the answer's head is ready); the rest of a client's wait is the
+    // connection and HTTP. bench/api reads it.
+    let timing = format!(
+        "engine;dur={:.3}, handler;dur={:.3}",
+        engine_us as f64 / 1000.0,
+        t0.elapsed().as_secs_f64() * 1000.0
+    );
+    if let Ok(v) = axum::http::HeaderValue::from_str(&timing) {
+        res.headers_mut().insert("server-timing", v);
+    }
     s.metrics
         .requests
         .get_or_create(&crate::metrics::RequestLabels {

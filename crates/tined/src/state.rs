@@ -169,18 +169,42 @@ impl Drop for EngineCall {
     }
 }
 
-/// Runs an engine call on the blocking pool. It runs to its end even if
-/// the request's handler is dropped (its client went away); until then it
-/// counts in [`engine_calls`], which a shutdown waits for.
+tokio::task_local! {
+    /// Microseconds the request being answered spent in engine calls
+    /// ([`blocking`]), for its `Server-Timing` header (router.rs).
+    pub static ENGINE_US: std::cell::Cell<u64>;
+}
+
+/// Runs an engine call. On tined's multi-threaded runtime it runs right
+/// here, on this worker thread (`block_in_place`: the worker's other tasks
+/// move to another thread meanwhile), not on the blocking pool: handing
+/// the call to a pool thread and the answer back costs two thread wake-ups
+/// per request, most of the API's cost over the engine on a loaded host
+/// (bench/api). Either way the call runs to its end even if the client
+/// goes away (a future cannot be dropped in the middle of it), and until
+/// then it counts in [`engine_calls`], which a shutdown waits for.
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> host::Result<T> + Send + 'static,
 ) -> ApiResult<T> {
     let call = EngineCall::new();
-    tokio::task::spawn_blocking(move || {
+    let timed = move || {
         let _call = call;
-        f()
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
-    .map_err(ApiError::from)
+        let t = Instant::now();
+        // A panic is an answer (500), as from a pool thread.
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        (res, t.elapsed())
+    };
+    let multi = tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::MultiThread;
+    let (res, took) = if multi {
+        tokio::task::block_in_place(timed)
+    } else {
+        tokio::task::spawn_blocking(timed)
+            .await
+            .map_err(|e| ApiError::internal(format!("the operation's thread died: {e}")))?
+    };
+    // Outside a request (no scope) there is nothing to report to.
+    let _ = ENGINE_US.try_with(|c| c.set(c.get() + took.as_micros() as u64));
+    res.map_err(|_| ApiError::internal("the operation panicked (see tined.log)"))?
+        .map_err(ApiError::from)
 }
