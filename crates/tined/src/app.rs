@@ -777,7 +777,7 @@ pub async fn wake_branch(
         }
         if host::state::VmDir::new(home, &target).exists() {
             return Err(host::Error::conflict(format!(
-                "a vm named {target:?} exists already; wake the branch under another name"
+                "a vm named {target:?} exists already; wake the branch under another name (`name` in the request; `tine wake {branch} --name NEW`)"
             )));
         }
         Ok(())
