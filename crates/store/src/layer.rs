@@ -430,41 +430,6 @@ impl LayerView {
     }
 }
 
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dirty_pages_to_windows() {
-        // Pages 0, 63, 64 and 1000 of 4 KiB; windows of 256 KiB (64 pages).
-        let mut bm = vec![0u64; 16];
-        for p in [0u64, 63, 64, 1000] {
-            bm[(p / 64) as usize] |= 1 << (p % 64);
-        }
-        let d = Dirty::Pages {
-            bitmap: &bm,
-            page_size: 4096,
-        };
-        assert_eq!(d.windows(256 << 10, 100), Some(vec![0, 1, 15]));
-        assert_eq!(d.windows(256 << 10, 10), Some(vec![0, 1]));
-        assert_eq!(
-            Dirty::Windows(&[5, 1, 5, 99]).windows(4096, 10),
-            Some(vec![1, 5])
-        );
-        assert_eq!(Dirty::All.windows(4096, 10), None);
-    }
-
-    #[test]
-    fn slice_source() {
-        let v: Vec<u8> = (0..100u8).collect();
-        let mut b = [0u8; 10];
-        Source::read_at(v.as_slice(), &mut b, 90).unwrap();
-        assert_eq!(b[0], 90);
-        assert!(Source::read_at(v.as_slice(), &mut b, 95).is_err());
-    }
-}
-
 impl Store {
     /// The `kind` layer of committed snapshot `id`, its chain resolved.
     pub fn layer(&self, id: SnapshotId, kind: LayerKind) -> Result<LayerView, StoreError> {
@@ -538,4 +503,39 @@ impl Store {
     }
 
     // --- branches ---
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dirty_pages_to_windows() {
+        // Pages 0, 63, 64 and 1000 of 4 KiB; windows of 256 KiB (64 pages).
+        let mut bm = vec![0u64; 16];
+        for p in [0u64, 63, 64, 1000] {
+            bm[(p / 64) as usize] |= 1 << (p % 64);
+        }
+        let d = Dirty::Pages {
+            bitmap: &bm,
+            page_size: 4096,
+        };
+        assert_eq!(d.windows(256 << 10, 100), Some(vec![0, 1, 15]));
+        assert_eq!(d.windows(256 << 10, 10), Some(vec![0, 1]));
+        assert_eq!(
+            Dirty::Windows(&[5, 1, 5, 99]).windows(4096, 10),
+            Some(vec![1, 5])
+        );
+        assert_eq!(Dirty::All.windows(4096, 10), None);
+    }
+
+    #[test]
+    fn slice_source() {
+        let v: Vec<u8> = (0..100u8).collect();
+        let mut b = [0u8; 10];
+        Source::read_at(v.as_slice(), &mut b, 90).unwrap();
+        assert_eq!(b[0], 90);
+        assert!(Source::read_at(v.as_slice(), &mut b, 95).is_err());
+    }
 }
