@@ -86,6 +86,16 @@ pub enum ClientError {
     /// The agent sent something the exchange does not allow.
     #[error("Unexpected reply from the agent: {0}")]
     Unexpected(String),
+    /// The connection ended after an exec request was sent, before the
+    /// agent said the command started: it may or may not have run.
+    #[error(
+        "the connection to the agent closed after the command was sent and before it started \
+         (it may not have run; the guest's vsock may have reset the connection)"
+    )]
+    ClosedBeforeStart,
+    /// The connection ended while the command ran: its exit is unknown.
+    #[error("the connection to the agent closed while the command ran (pid {pid} in the guest); its exit is unknown")]
+    ClosedWhileRunning { pid: u32 },
     /// Reading local input or writing local output failed.
     #[error("Local I/O failed")]
     Local(#[source] io::Error),
@@ -305,9 +315,13 @@ where
             timeout_ms,
         },
     )?;
-    let pid = match read_message(s)? {
-        Message::Started { pid } => pid,
-        m => return Err(unexpected(m)),
+    let pid = match read_message(s) {
+        Ok(Message::Started { pid }) => pid,
+        Ok(m) => return Err(unexpected(m)),
+        Err(ClientError::Protocol(ProtocolError::Closed)) => {
+            return Err(ClientError::ClosedBeforeStart)
+        }
+        Err(e) => return Err(e),
     };
     if let Some(input) = stdin {
         let tx = Connection::try_clone(s).map_err(ProtocolError::Io)?;
@@ -317,7 +331,12 @@ where
             .map_err(ClientError::Local)?;
     }
     loop {
-        match read_frame(s)? {
+        let frame = match read_frame(s) {
+            Ok(f) => f,
+            Err(ProtocolError::Closed) => return Err(ClientError::ClosedWhileRunning { pid }),
+            Err(e) => return Err(e.into()),
+        };
+        match frame {
             Frame::Data(Stream::Stdout, b) => {
                 stdout
                     .write_all(&b)
