@@ -105,6 +105,14 @@ fn serve<C: Connection>(conn: &mut C, settings: &Settings) -> Result<(), Protoco
                 format!("expected a request, got {}", describe(&f)),
             )
         }
+        // Every host caller sends a request after its hello: a connection
+        // that ends here is the one `tine exec` sometimes sees closed
+        // after a fork (docs/design/fork.md). Said on the console, so the
+        // next one shows which side ended it.
+        Err(ProtocolError::Closed) => {
+            eprintln!("tine-agent: a connection ended after its hello, before any request (EOF)");
+            return Err(ProtocolError::Closed);
+        }
         Err(e) => return bad_frame(conn, e),
     };
     match req {
