@@ -147,6 +147,11 @@ fn test_post_in_flight_at_fork_reaches_the_server_once() {
     );
     let v: serde_json::Value = serde_json::from_str(fork.trim()).expect("fork json");
     assert_eq!(v["names"].as_array().map(|a| a.len()), Some(5), "{fork}");
+    let failed: Vec<&serde_json::Value> = v["results"]
+        .as_array()
+        .map(|r| r.iter().filter(|c| c["ok"] != true).collect())
+        .unwrap_or_default();
+    assert!(failed.is_empty(), "children that did not wake: {failed:?}\n{fork}");
     // Let the copies retry (their waits join the one in flight), then the
     // server answers.
     std::thread::sleep(Duration::from_secs(3));

@@ -377,9 +377,10 @@ fn tail_text(bytes: &[u8], n: usize) -> String {
 }
 
 /// The last `n` lines of a file, headed by its path (nothing if it is missing).
-/// The last lines of a vm directory's `console.log` and `vmm.log`.
+/// The last lines of a vm directory's `console.log`, `vmm.log` and `exit.json`.
 fn log_tails(dir: &Path) -> String {
-    ["console.log", "vmm.log"]
+    // exit.json says why a vm that is not running ended.
+    ["console.log", "vmm.log", "exit.json"]
         .iter()
         .map(|f| file_tail(&dir.join(f), 40))
         .collect()
