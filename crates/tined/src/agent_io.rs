@@ -249,13 +249,13 @@ pub async fn attach(
     let conn = blocking(move || host::exec::connect(&st.host, &name)).await?;
     conn.set_nonblocking(true)
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let mut agent =
+    let agent =
         tokio::net::UnixStream::from_std(conn).map_err(|e| ApiError::internal(e.to_string()))?;
     tokio::spawn(async move {
         match hyper::upgrade::on(req).await {
             Ok(up) => {
-                let mut up = hyper_util::rt::TokioIo::new(up);
-                let _ = tokio::io::copy_bidirectional(&mut up, &mut agent).await;
+                let up = hyper_util::rt::TokioIo::new(up);
+                relay(up, agent).await;
             }
             Err(e) => tracing::warn!("attach: the upgrade failed: {e}"),
         }
@@ -268,6 +268,42 @@ pub async fn attach(
         ],
     )
         .into_response())
+}
+
+/// Copies both ways between the client and the agent until each side has
+/// ended, each direction on its own: the agent's answer is written to the
+/// client in full, and then its write side is shut, whatever the other
+/// direction met. (`copy_bidirectional` returns at the first error of
+/// either direction and drops both ends, so a client whose write toward
+/// the agent failed, e.g. EPIPE once the VMM closed its end, could lose
+/// the end of the agent's answer: `tine exec` then saw the connection
+/// closed before the command's exit.)
+async fn relay<C>(client: C, agent: tokio::net::UnixStream)
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+{
+    use tokio::io::AsyncWriteExt;
+    let (mut cr, mut cw) = tokio::io::split(client);
+    let (mut ar, mut aw) = agent.into_split();
+    let to_client = async {
+        let r = tokio::io::copy(&mut ar, &mut cw).await;
+        let _ = cw.shutdown().await;
+        r
+    };
+    let to_agent = async {
+        let r = tokio::io::copy(&mut cr, &mut aw).await;
+        let _ = aw.shutdown().await;
+        r
+    };
+    let (down, up) = tokio::join!(to_client, to_agent);
+    // The VMM closes its end as soon as the guest shuts the connection,
+    // so a reset here is common and harmless: what was read was written.
+    if let Err(e) = &down {
+        tracing::debug!("attach: the agent's side ended with {e}");
+    }
+    if let Err(e) = &up {
+        tracing::debug!("attach: the client's input to the agent ended: {e}");
+    }
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
