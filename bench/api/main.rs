@@ -108,7 +108,12 @@ fn ms(d: Duration) -> f64 {
 
 /// "p50 X ms, p90 Y ms (n N)".
 fn show(v: &[f64]) -> String {
-    format!("p50 {:8.3} ms  p90 {:8.3} ms  (n {})", p50(v), p90(v), v.len())
+    format!(
+        "p50 {:8.3} ms  p90 {:8.3} ms  (n {})",
+        p50(v),
+        p90(v),
+        v.len()
+    )
 }
 
 // --- the API over a Unix socket: one connection per request ---
@@ -166,8 +171,20 @@ impl Api {
         }
         req.push_str(&format!("content-length: {}\r\n\r\n{body}", body.len()));
         s.write_all(req.as_bytes())?;
+        // Read until the body is complete (as an HTTP client does), not
+        // until tined closes the connection.
         let mut raw = Vec::new();
-        s.read_to_end(&mut raw)?;
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            let k = s.read(&mut buf)?;
+            if k == 0 {
+                break;
+            }
+            raw.extend_from_slice(&buf[..k]);
+            if response_complete(&raw) {
+                break;
+            }
+        }
         parse_response(&raw)
     }
 
@@ -182,6 +199,28 @@ impl Api {
     fn delete(&self, path: &str) -> anyhow::Result<Resp> {
         self.request("DELETE", path, None, &[])?.ok(path)
     }
+}
+
+/// Whether `raw` holds a whole answer (by content-length, or the last
+/// chunk of a chunked body).
+fn response_complete(raw: &[u8]) -> bool {
+    let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+    let body = raw.len() - end - 4;
+    if let Some(n) = head
+        .split("\r\n")
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return body >= n;
+    }
+    if head.contains("transfer-encoding: chunked") {
+        return raw.ends_with(b"\r\n0\r\n\r\n") || (body == 5 && raw.ends_with(b"0\r\n\r\n"));
+    }
+    // No length: until the connection closes.
+    false
 }
 
 fn parse_response(raw: &[u8]) -> anyhow::Result<Resp> {
@@ -260,6 +299,25 @@ fn status_field(pid: u32, field: &str) -> Option<u64> {
     l.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// CPU time (ns) a process's threads have run, from /proc/PID/task/*/schedstat.
+fn proc_cpu_ns(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// CPU time (ns) this thread has run.
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
@@ -287,6 +345,37 @@ fn disk_use(dir: &Path) -> (u64, u64) {
     (bytes, files)
 }
 
+/// The `n` largest files under `dir` (allocated size), as text.
+fn largest_files(dir: &Path, n: usize) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let mut all = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
+            if m.is_dir() {
+                stack.push(e.path());
+            } else {
+                all.push((m.blocks() * 512, e.path()));
+            }
+        }
+    }
+    all.sort_by_key(|e| std::cmp::Reverse(e.0));
+    all.iter()
+        .take(n)
+        .map(|(b, p)| {
+            format!(
+                "{} {:.0} KiB",
+                p.strip_prefix(dir).unwrap_or(p).display(),
+                *b as f64 / 1024.0
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn mem_available_mib() -> f64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -309,8 +398,7 @@ fn new_home(scratch: &Path, tag: &str) -> anyhow::Result<PathBuf> {
         .unwrap_or_else(|| {
             PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/tine")
         });
-    std::os::unix::fs::symlink(cache.join("images"), home.join("images"))
-        .context("link images")?;
+    std::os::unix::fs::symlink(cache.join("images"), home.join("images")).context("link images")?;
     Ok(home)
 }
 
@@ -369,7 +457,10 @@ fn start_tined(tined: &Path, bins: &Path, home: &Path) -> anyhow::Result<Tined> 
     let t0 = Instant::now();
     while api.get("/v1/health").is_err() {
         if t0.elapsed() > Duration::from_secs(30) {
-            bail!("tined did not answer in 30 s; see {}/tined.log", home.display());
+            bail!(
+                "tined did not answer in 30 s; see {}/tined.log",
+                home.display()
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -493,11 +584,8 @@ impl Bench {
     }
 
     fn start_parents(&self) -> anyhow::Result<()> {
-        host::vm::start(
-            &self.engine,
-            run_spec("pa", PARENT_MIB, Some(&self.base)),
-        )
-        .map_err(|e| anyhow::anyhow!("in-process run: {e}"))?;
+        host::vm::start(&self.engine, run_spec("pa", PARENT_MIB, Some(&self.base)))
+            .map_err(|e| anyhow::anyhow!("in-process run: {e}"))?;
         self.tined.api.post(
             "/v1/vms",
             &spec_json(&run_spec("pb", PARENT_MIB, Some(&self.base)))?,
@@ -508,12 +596,24 @@ impl Bench {
                 &spec_json(&run_spec("pc", PARENT_MIB, Some(&self.base)))?,
             )?;
             let c = home_c.join("vms/pc/console.log");
-            wait_for(|| Ok(std::fs::read(&c)?), b"READY", Duration::from_millis(5))?;
+            wait_for(
+                || Ok(std::fs::read(&c)?),
+                b"READY",
+                Duration::from_millis(5),
+            )?;
         }
         let a = self.engine.home.join("vms/pa/console.log");
         let b = self.home_b.join("vms/pb/console.log");
-        wait_for(|| Ok(std::fs::read(&a)?), b"READY", Duration::from_millis(5))?;
-        wait_for(|| Ok(std::fs::read(&b)?), b"READY", Duration::from_millis(5))?;
+        wait_for(
+            || Ok(std::fs::read(&a)?),
+            b"READY",
+            Duration::from_millis(5),
+        )?;
+        wait_for(
+            || Ok(std::fs::read(&b)?),
+            b"READY",
+            Duration::from_millis(5),
+        )?;
         Ok(())
     }
 
@@ -541,6 +641,18 @@ impl Bench {
             host::vm::info(&self.engine, "pa").map_err(|e| anyhow::anyhow!("{e}"))?;
             info_lib.push(ms(t.elapsed()));
         }
+        // The same GET after 12 ms asleep (about a fork's time): both
+        // sides wake from sleep, as after a fork, but no VMM competes.
+        let mut info_slept = Vec::new();
+        for _ in 0..100 {
+            std::thread::sleep(Duration::from_millis(12));
+            let t = Instant::now();
+            let r = api.get("/v1/vms/pb")?;
+            let w = ms(t.elapsed());
+            if let Some((engine, _)) = r.timing {
+                info_slept.push(w - engine);
+            }
+        }
         // Forks, interleaved (the order rotates each round).
         let mut lib = Series::default();
         let mut http = Series::default();
@@ -548,6 +660,7 @@ impl Bench {
         let mut base = Series::default();
         let pid = std::process::id();
         let kinds = if self.baseline.is_some() { 4 } else { 3 };
+        let tpid = self.tined.pid;
         for i in 0..n {
             if stopped() {
                 break;
@@ -556,10 +669,13 @@ impl Bench {
                 std::thread::sleep(SETTLE);
                 match (i + k) % kinds {
                     0 => {
+                        let cpu = thread_cpu_ns();
                         let t = Instant::now();
                         let r = host::fork::fork(&self.engine, "pa", &fork_spec())
                             .map_err(|e| anyhow::anyhow!("in-process fork: {e}"))?;
                         let w = ms(t.elapsed());
+                        lib.fork_cpu
+                            .push(thread_cpu_ns().saturating_sub(cpu) as f64 / 1e6);
                         lib.fork.push(w);
                         lib.outside.push(w - r.total_ms);
                         lib.engine_total.push(r.total_ms);
@@ -568,14 +684,14 @@ impl Bench {
                             .map_err(|e| anyhow::anyhow!("in-process rm: {e}"))?;
                         lib.rm.push(ms(t.elapsed()));
                     }
-                    1 => api_cycle(api, "pb", &[], &mut http)?,
+                    1 => api_cycle(api, tpid, "pb", &[], &mut http)?,
                     2 => {
                         let key = format!("bench-{pid}-{i}");
-                        api_cycle(api, "pb", &[("idempotency-key", &key)], &mut idem)?
+                        api_cycle(api, tpid, "pb", &[("idempotency-key", &key)], &mut idem)?
                     }
                     _ => {
                         if let Some(b) = &self.baseline {
-                            api_cycle(&b.1.api, "pc", &[], &mut base)?
+                            api_cycle(&b.1.api, b.1.pid, "pc", &[], &mut base)?
                         }
                     }
                 }
@@ -584,7 +700,9 @@ impl Bench {
         let paired = |a: &[f64], b: &[f64]| -> Vec<f64> {
             a.iter().zip(b).map(|(x, y)| x - y).collect::<Vec<_>>()
         };
-        println!("== 1. API overhead: fork of one vm into one child (count 1), then rm of the child");
+        println!(
+            "== 1. API overhead: fork of one vm into one child (count 1), then rm of the child"
+        );
         println!(
             "   {IMAGE} {PARENT_MIB} MiB parent with a disk; {n} rounds, each: engine in-process / API / API+Idempotency-Key, order rotating, {} ms settle before each",
             SETTLE.as_millis()
@@ -594,12 +712,20 @@ impl Bench {
         println!("   host::vm::info (in-process) {}", show(&info_lib));
         if !info_added.is_empty() {
             println!("   GET /v1/vms/P wall - engine {}", show(&info_added));
+            println!(
+                "     the same, each after 12 ms asleep {}",
+                show(&info_slept)
+            );
         }
         println!("   fork, in-process            {}", show(&lib.fork));
         println!("   fork, API                   {}", show(&http.fork));
         println!("   fork, API + idempotency key {}", show(&idem.fork));
-        println!("     engine's own total_ms: in-process p50 {:.3}, API p50 {:.3}, API+key p50 {:.3}",
-            p50(&lib.engine_total), p50(&http.engine_total), p50(&idem.engine_total));
+        println!(
+            "     engine's own total_ms: in-process p50 {:.3}, API p50 {:.3}, API+key p50 {:.3}",
+            p50(&lib.engine_total),
+            p50(&http.engine_total),
+            p50(&idem.engine_total)
+        );
         let d50 = p50(&http.fork) - p50(&lib.fork);
         let dpair = p50(&paired(&http.fork, &lib.fork));
         let dout = p50(&http.outside) - p50(&lib.outside);
@@ -609,19 +735,61 @@ impl Bench {
             "   outside the engine's fork time (wall - total_ms): in-process {}",
             show(&lib.outside)
         );
-        println!("                                                      API        {}", show(&http.outside));
-        println!("                                                      API+key    {}", show(&idem.outside));
+        println!(
+            "                                                      API        {}",
+            show(&http.outside)
+        );
+        println!(
+            "                                                      API+key    {}",
+            show(&idem.outside)
+        );
         println!(
             "   => by wall - total_ms: API adds {dout:+.3} ms at p50 per fork (+{dout_idem:.3} ms with an idempotency key)"
         );
         if !http.fork_added.is_empty() {
-            println!("   tined's Server-Timing (the engine's call timed inside tined, per request):");
-            println!("     fork in the engine, in tined       {}", show(&http.fork_engine));
-            println!("     fork: wall - engine (API's cost)   {}", show(&http.fork_added));
-            println!("       of which in tined's handler      {}", show(&http.fork_tined));
-            println!("     same with an idempotency key       {}", show(&idem.fork_added));
-            println!("     rm in the engine, in tined         {}", show(&http.rm_engine));
-            println!("     rm: wall - engine (API's cost)     {}", show(&http.rm_added));
+            println!(
+                "   tined's Server-Timing (the engine's call timed inside tined, per request):"
+            );
+            println!(
+                "     fork in the engine, in tined       {}",
+                show(&http.fork_engine)
+            );
+            println!(
+                "     fork: wall - engine (API's cost)   {}",
+                show(&http.fork_added)
+            );
+            println!(
+                "       of which in tined's handler      {}",
+                show(&http.fork_tined)
+            );
+            println!(
+                "       and the connection (wall - handler) {}",
+                show(&http.fork_transport)
+            );
+            println!(
+                "     CPU per fork: in-process (the calling thread) {}",
+                show(&lib.fork_cpu)
+            );
+            println!(
+                "                   tined (all threads)             {}",
+                show(&http.fork_cpu)
+            );
+            println!(
+                "                   tined, with a key               {}",
+                show(&idem.fork_cpu)
+            );
+            println!(
+                "     same with an idempotency key       {}",
+                show(&idem.fork_added)
+            );
+            println!(
+                "     rm in the engine, in tined         {}",
+                show(&http.rm_engine)
+            );
+            println!(
+                "     rm: wall - engine (API's cost)     {}",
+                show(&http.rm_added)
+            );
             println!(
                 "   => API adds {:.3} ms at p50 per fork (target <= 0.3 ms), {:.3} ms with an idempotency key, {:.3} ms per rm",
                 p50(&http.fork_added),
@@ -630,12 +798,39 @@ impl Bench {
             );
             if self.baseline.is_some() {
                 let b = &base;
-                println!("   baseline tined ({}), interleaved with the above:", self.opts.baseline.as_deref().map(|p| p.display().to_string()).unwrap_or_default());
+                println!(
+                    "   baseline tined ({}), interleaved with the above:",
+                    self.opts
+                        .baseline
+                        .as_deref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                );
                 println!("     fork, API                          {}", show(&b.fork));
-                println!("     fork in the engine, in tined       {}", show(&b.fork_engine));
-                println!("     fork: wall - engine (API's cost)   {}", show(&b.fork_added));
-                println!("       of which in tined's handler      {}", show(&b.fork_tined));
-                println!("     rm: wall - engine (API's cost)     {}", show(&b.rm_added));
+                println!(
+                    "     fork in the engine, in tined       {}",
+                    show(&b.fork_engine)
+                );
+                println!(
+                    "     fork: wall - engine (API's cost)   {}",
+                    show(&b.fork_added)
+                );
+                println!(
+                    "       of which in tined's handler      {}",
+                    show(&b.fork_tined)
+                );
+                println!(
+                    "       and the connection (wall - handler) {}",
+                    show(&b.fork_transport)
+                );
+                println!(
+                    "     CPU per fork, tined (all threads)  {}",
+                    show(&b.fork_cpu)
+                );
+                println!(
+                    "     rm: wall - engine (API's cost)     {}",
+                    show(&b.rm_added)
+                );
                 println!(
                     "   => this tined's API cost per fork: {:.3} ms at p50, the baseline's {:.3} ms",
                     p50(&http.fork_added),
@@ -643,9 +838,14 @@ impl Bench {
                 );
                 self.pair("fork_api_cost_ms_p50_baseline", p50(&b.fork_added));
                 self.pair("fork_api_tined_ms_p50_baseline", p50(&b.fork_tined));
+                self.pair("fork_cpu_tined_ms_p50_baseline", p50(&b.fork_cpu));
                 self.pair("rm_api_cost_ms_p50_baseline", p50(&b.rm_added));
             }
             self.pair("fork_api_tined_ms_p50", p50(&http.fork_tined));
+            self.pair("fork_api_connection_ms_p50", p50(&http.fork_transport));
+            self.pair("fork_cpu_lib_ms_p50", p50(&lib.fork_cpu));
+            self.pair("fork_cpu_tined_ms_p50", p50(&http.fork_cpu));
+            self.pair("info_api_slept_cost_ms_p50", p50(&info_slept));
             self.pair("fork_api_cost_ms_p50", p50(&http.fork_added));
             self.pair("fork_api_cost_ms_p90", p90(&http.fork_added));
             self.pair("fork_api_idem_cost_ms_p50", p50(&idem.fork_added));
@@ -695,24 +895,17 @@ impl Bench {
             let out = host::proc::output(&mut c, b"", Duration::from_secs(30))
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             if !out.status.success() {
-                bail!(
-                    "tine {args:?}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                bail!("tine {args:?}: {}", String::from_utf8_lossy(&out.stderr));
             }
             Ok(out.stdout)
         };
-        let get_log = || -> anyhow::Result<Vec<u8>> {
-            Ok(api.get("/v1/vms/pb/console")?.body)
-        };
+        let get_log = || -> anyhow::Result<Vec<u8>> { Ok(api.get("/v1/vms/pb/console")?.body) };
         let (mut lib, mut http, mut follow, mut cmd) = (vec![], vec![], vec![], vec![]);
         let (mut http_send, mut cmd_send) = (vec![], vec![]);
         // The follow stream: a reader thread counts PONGs as they come.
         let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut stream = UnixStream::connect(&api.sock)?;
-        stream.write_all(
-            b"GET /v1/vms/pb/console?follow=true HTTP/1.1\r\nhost: tined\r\n\r\n",
-        )?;
+        stream.write_all(b"GET /v1/vms/pb/console?follow=true HTTP/1.1\r\nhost: tined\r\n\r\n")?;
         let reader = {
             let seen = seen.clone();
             let mut s = stream.try_clone()?;
@@ -767,13 +960,27 @@ impl Bench {
         }
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let _ = reader.join();
-        println!("== 2. console round trip: `ping` typed in -> `PONG` in the console log ({n} each)");
+        println!(
+            "== 2. console round trip: `ping` typed in -> `PONG` in the console log ({n} each)"
+        );
         println!("   engine (console_send, read the log)      {}", show(&lib));
-        println!("   API (POST console, GET console polled)   {}", show(&http));
-        println!("     of which the POST                      {}", show(&http_send));
-        println!("   API (POST console, GET ?follow=true)     {}", show(&follow));
+        println!(
+            "   API (POST console, GET console polled)   {}",
+            show(&http)
+        );
+        println!(
+            "     of which the POST                      {}",
+            show(&http_send)
+        );
+        println!(
+            "   API (POST console, GET ?follow=true)     {}",
+            show(&follow)
+        );
         println!("   CLI (tine console --send, tine console)  {}", show(&cmd));
-        println!("     of which `tine console --send`         {}", show(&cmd_send));
+        println!(
+            "     of which `tine console --send`         {}",
+            show(&cmd_send)
+        );
         println!("   exec: micro guests have no agent; exec of a Linux guest needs the nested test host here (not measured)");
         self.pair("console_lib_ms_p50", p50(&lib));
         self.pair("console_api_ms_p50", p50(&http));
@@ -878,6 +1085,10 @@ impl Bench {
         println!("   rm   {}", show(&rm));
         println!("   end:       {end}");
         println!("   end + 3 s: {settled}");
+        println!(
+            "   largest files in the home at the end: {}",
+            largest_files(&self.home_b, 4)
+        );
         self.pair("sustained_secs", elapsed);
         self.pair("sustained_forks", total as f64);
         self.pair("sustained_forks_per_s", rate);
@@ -1041,17 +1252,25 @@ struct Series {
     fork_engine: Vec<f64>,
     fork_tined: Vec<f64>,
     fork_added: Vec<f64>,
+    /// wall - tined's handler time: connection, HTTP, wake-ups.
+    fork_transport: Vec<f64>,
+    /// CPU ms of the fork call: this thread's (in-process) or tined's
+    /// (all its threads, through the API).
+    fork_cpu: Vec<f64>,
     rm_engine: Vec<f64>,
     rm_added: Vec<f64>,
 }
 
-/// Fork `parent` into one child through `api`, then remove the child.
+/// Fork `parent` into one child through `api` (served by process
+/// `tined`), then remove the child.
 fn api_cycle(
     api: &Api,
+    tined: u32,
     parent: &str,
     headers: &[(&str, &str)],
     s: &mut Series,
 ) -> anyhow::Result<()> {
+    let cpu = proc_cpu_ns(tined);
     let t = Instant::now();
     let resp = api
         .request(
@@ -1062,11 +1281,14 @@ fn api_cycle(
         )?
         .ok("fork")?;
     let w = ms(t.elapsed());
+    s.fork_cpu
+        .push(proc_cpu_ns(tined).saturating_sub(cpu) as f64 / 1e6);
     let r = resp.json()?;
     if let Some((engine, handler)) = resp.timing {
         s.fork_engine.push(engine);
         s.fork_tined.push(handler - engine);
         s.fork_added.push(w - engine);
+        s.fork_transport.push(w - handler);
     }
     let total = r["total_ms"].as_f64().context("total_ms")?;
     s.fork.push(w);

@@ -91,7 +91,10 @@ impl Idempotency {
 
     /// Keys with a request running or waiting.
     pub fn in_flight(&self) -> usize {
-        self.inflight.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// The stored answer for `key`, if a fresh one exists.
