@@ -910,15 +910,37 @@ impl Bench {
             let seen = seen.clone();
             let mut s = stream.try_clone()?;
             std::thread::spawn(move || {
-                // The whole stream so far (a few bytes per PONG).
-                let mut all: Vec<u8> = Vec::new();
+                // The stream so far, and its body without the chunk
+                // framing (a guest writes a byte at a time: a PONG may
+                // come in several chunks).
+                let (mut raw, mut body) = (Vec::<u8>::new(), Vec::<u8>::new());
+                let mut pos = None;
                 let mut buf = [0u8; 4096];
                 while let Ok(k) = s.read(&mut buf) {
                     if k == 0 {
                         break;
                     }
-                    all.extend_from_slice(&buf[..k]);
-                    seen.store(pongs(&all), Ordering::SeqCst);
+                    raw.extend_from_slice(&buf[..k]);
+                    if pos.is_none() {
+                        pos = raw.windows(4).position(|w| w == b"\r\n\r\n").map(|e| e + 4);
+                    }
+                    let Some(p) = pos.as_mut() else { continue };
+                    // Whole chunks from `p` on.
+                    while let Some(nl) = raw[*p..].windows(2).position(|w| w == b"\r\n") {
+                        let Ok(size) = usize::from_str_radix(
+                            String::from_utf8_lossy(&raw[*p..*p + nl]).trim(),
+                            16,
+                        ) else {
+                            break;
+                        };
+                        let start = *p + nl + 2;
+                        if raw.len() < start + size + 2 {
+                            break;
+                        }
+                        body.extend_from_slice(&raw[start..start + size]);
+                        *p = start + size + 2;
+                    }
+                    seen.store(pongs(&body), Ordering::SeqCst);
                 }
             })
         };
@@ -933,21 +955,22 @@ impl Bench {
             let t = Instant::now();
             host::vm::console_send(&self.engine, "pa", "ping")
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
-            wait_count(|| Ok(pongs(&std::fs::read(&log_a)?)), before + 1, 200)?;
+            wait_count(|| Ok(pongs(&std::fs::read(&log_a)?)), before + 1, 200).context("engine")?;
             lib.push(ms(t.elapsed()));
             // API: POST, then GET the log until it shows.
             let before = pongs(&get_log()?);
             let t = Instant::now();
             api.post("/v1/vms/pb/console", &serde_json::json!({"line": "ping"}))?;
             http_send.push(ms(t.elapsed()));
-            wait_count(|| Ok(pongs(&get_log()?)), before + 1, 200)?;
+            wait_count(|| Ok(pongs(&get_log()?)), before + 1, 200).context("API")?;
             http.push(ms(t.elapsed()));
             // API with the follow stream open.
             std::thread::sleep(Duration::from_millis(150));
             let before = seen.load(Ordering::SeqCst);
             let t = Instant::now();
             api.post("/v1/vms/pb/console", &serde_json::json!({"line": "ping"}))?;
-            wait_count(|| Ok(seen.load(Ordering::SeqCst)), before + 1, 100)?;
+            wait_count(|| Ok(seen.load(Ordering::SeqCst)), before + 1, 100)
+                .context("API follow")?;
             follow.push(ms(t.elapsed()));
             std::thread::sleep(Duration::from_millis(150));
             // CLI.
@@ -955,7 +978,7 @@ impl Bench {
             let t = Instant::now();
             cli(&["console", "pb", "--send", "ping"])?;
             cmd_send.push(ms(t.elapsed()));
-            wait_count(|| Ok(pongs(&cli(&["console", "pb"])?)), before + 1, 0)?;
+            wait_count(|| Ok(pongs(&cli(&["console", "pb"])?)), before + 1, 0).context("CLI")?;
             cmd.push(ms(t.elapsed()));
         }
         let _ = stream.shutdown(std::net::Shutdown::Both);
