@@ -171,8 +171,20 @@ impl Api {
         }
         req.push_str(&format!("content-length: {}\r\n\r\n{body}", body.len()));
         s.write_all(req.as_bytes())?;
+        // Read until the body is complete (as an HTTP client does), not
+        // until tined closes the connection.
         let mut raw = Vec::new();
-        s.read_to_end(&mut raw)?;
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            let k = s.read(&mut buf)?;
+            if k == 0 {
+                break;
+            }
+            raw.extend_from_slice(&buf[..k]);
+            if response_complete(&raw) {
+                break;
+            }
+        }
         parse_response(&raw)
     }
 
@@ -187,6 +199,28 @@ impl Api {
     fn delete(&self, path: &str) -> anyhow::Result<Resp> {
         self.request("DELETE", path, None, &[])?.ok(path)
     }
+}
+
+/// Whether `raw` holds a whole answer (by content-length, or the last
+/// chunk of a chunked body).
+fn response_complete(raw: &[u8]) -> bool {
+    let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+    let body = raw.len() - end - 4;
+    if let Some(n) = head
+        .split("\r\n")
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return body >= n;
+    }
+    if head.contains("transfer-encoding: chunked") {
+        return raw.ends_with(b"\r\n0\r\n\r\n") || (body == 5 && raw.ends_with(b"0\r\n\r\n"));
+    }
+    // No length: until the connection closes.
+    false
 }
 
 fn parse_response(raw: &[u8]) -> anyhow::Result<Resp> {
@@ -265,6 +299,25 @@ fn status_field(pid: u32, field: &str) -> Option<u64> {
     l.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// CPU time (ns) a process's threads have run, from /proc/PID/task/*/schedstat.
+fn proc_cpu_ns(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// CPU time (ns) this thread has run.
+fn thread_cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
@@ -290,6 +343,37 @@ fn disk_use(dir: &Path) -> (u64, u64) {
         }
     }
     (bytes, files)
+}
+
+/// The `n` largest files under `dir` (allocated size), as text.
+fn largest_files(dir: &Path, n: usize) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let mut all = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
+            if m.is_dir() {
+                stack.push(e.path());
+            } else {
+                all.push((m.blocks() * 512, e.path()));
+            }
+        }
+    }
+    all.sort_by_key(|e| std::cmp::Reverse(e.0));
+    all.iter()
+        .take(n)
+        .map(|(b, p)| {
+            format!(
+                "{} {:.0} KiB",
+                p.strip_prefix(dir).unwrap_or(p).display(),
+                *b as f64 / 1024.0
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn mem_available_mib() -> f64 {
@@ -557,6 +641,18 @@ impl Bench {
             host::vm::info(&self.engine, "pa").map_err(|e| anyhow::anyhow!("{e}"))?;
             info_lib.push(ms(t.elapsed()));
         }
+        // The same GET after 12 ms asleep (about a fork's time): both
+        // sides wake from sleep, as after a fork, but no VMM competes.
+        let mut info_slept = Vec::new();
+        for _ in 0..100 {
+            std::thread::sleep(Duration::from_millis(12));
+            let t = Instant::now();
+            let r = api.get("/v1/vms/pb")?;
+            let w = ms(t.elapsed());
+            if let Some((engine, _)) = r.timing {
+                info_slept.push(w - engine);
+            }
+        }
         // Forks, interleaved (the order rotates each round).
         let mut lib = Series::default();
         let mut http = Series::default();
@@ -564,6 +660,7 @@ impl Bench {
         let mut base = Series::default();
         let pid = std::process::id();
         let kinds = if self.baseline.is_some() { 4 } else { 3 };
+        let tpid = self.tined.pid;
         for i in 0..n {
             if stopped() {
                 break;
@@ -572,10 +669,13 @@ impl Bench {
                 std::thread::sleep(SETTLE);
                 match (i + k) % kinds {
                     0 => {
+                        let cpu = thread_cpu_ns();
                         let t = Instant::now();
                         let r = host::fork::fork(&self.engine, "pa", &fork_spec())
                             .map_err(|e| anyhow::anyhow!("in-process fork: {e}"))?;
                         let w = ms(t.elapsed());
+                        lib.fork_cpu
+                            .push(thread_cpu_ns().saturating_sub(cpu) as f64 / 1e6);
                         lib.fork.push(w);
                         lib.outside.push(w - r.total_ms);
                         lib.engine_total.push(r.total_ms);
@@ -584,14 +684,14 @@ impl Bench {
                             .map_err(|e| anyhow::anyhow!("in-process rm: {e}"))?;
                         lib.rm.push(ms(t.elapsed()));
                     }
-                    1 => api_cycle(api, "pb", &[], &mut http)?,
+                    1 => api_cycle(api, tpid, "pb", &[], &mut http)?,
                     2 => {
                         let key = format!("bench-{pid}-{i}");
-                        api_cycle(api, "pb", &[("idempotency-key", &key)], &mut idem)?
+                        api_cycle(api, tpid, "pb", &[("idempotency-key", &key)], &mut idem)?
                     }
                     _ => {
                         if let Some(b) = &self.baseline {
-                            api_cycle(&b.1.api, "pc", &[], &mut base)?
+                            api_cycle(&b.1.api, b.1.pid, "pc", &[], &mut base)?
                         }
                     }
                 }
@@ -612,6 +712,10 @@ impl Bench {
         println!("   host::vm::info (in-process) {}", show(&info_lib));
         if !info_added.is_empty() {
             println!("   GET /v1/vms/P wall - engine {}", show(&info_added));
+            println!(
+                "     the same, each after 12 ms asleep {}",
+                show(&info_slept)
+            );
         }
         println!("   fork, in-process            {}", show(&lib.fork));
         println!("   fork, API                   {}", show(&http.fork));
@@ -659,6 +763,22 @@ impl Bench {
                 show(&http.fork_tined)
             );
             println!(
+                "       and the connection (wall - handler) {}",
+                show(&http.fork_transport)
+            );
+            println!(
+                "     CPU per fork: in-process (the calling thread) {}",
+                show(&lib.fork_cpu)
+            );
+            println!(
+                "                   tined (all threads)             {}",
+                show(&http.fork_cpu)
+            );
+            println!(
+                "                   tined, with a key               {}",
+                show(&idem.fork_cpu)
+            );
+            println!(
                 "     same with an idempotency key       {}",
                 show(&idem.fork_added)
             );
@@ -700,6 +820,14 @@ impl Bench {
                     show(&b.fork_tined)
                 );
                 println!(
+                    "       and the connection (wall - handler) {}",
+                    show(&b.fork_transport)
+                );
+                println!(
+                    "     CPU per fork, tined (all threads)  {}",
+                    show(&b.fork_cpu)
+                );
+                println!(
                     "     rm: wall - engine (API's cost)     {}",
                     show(&b.rm_added)
                 );
@@ -710,9 +838,14 @@ impl Bench {
                 );
                 self.pair("fork_api_cost_ms_p50_baseline", p50(&b.fork_added));
                 self.pair("fork_api_tined_ms_p50_baseline", p50(&b.fork_tined));
+                self.pair("fork_cpu_tined_ms_p50_baseline", p50(&b.fork_cpu));
                 self.pair("rm_api_cost_ms_p50_baseline", p50(&b.rm_added));
             }
             self.pair("fork_api_tined_ms_p50", p50(&http.fork_tined));
+            self.pair("fork_api_connection_ms_p50", p50(&http.fork_transport));
+            self.pair("fork_cpu_lib_ms_p50", p50(&lib.fork_cpu));
+            self.pair("fork_cpu_tined_ms_p50", p50(&http.fork_cpu));
+            self.pair("info_api_slept_cost_ms_p50", p50(&info_slept));
             self.pair("fork_api_cost_ms_p50", p50(&http.fork_added));
             self.pair("fork_api_cost_ms_p90", p90(&http.fork_added));
             self.pair("fork_api_idem_cost_ms_p50", p50(&idem.fork_added));
@@ -757,14 +890,34 @@ impl Bench {
         let log_a = self.engine.home.join("vms/pa/console.log");
         let tine = self.bins.join("tine");
         let cli = |args: &[&str]| -> anyhow::Result<Vec<u8>> {
-            let mut c = Command::new(&tine);
-            c.args(args).env("TINE_HOME", &self.home_b);
-            let out = host::proc::output(&mut c, b"", Duration::from_secs(30))
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            if !out.status.success() {
-                bail!("tine {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            // Done when its output ends (it exited): its status comes
+            // through this process's reaper, which polls every 20 ms, and
+            // waiting for it would time the reaper, not the CLI. An error
+            // is what it prints on stderr.
+            let mut child = Command::new(&tine)
+                .args(args)
+                .env("TINE_HOME", &self.home_b)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()?;
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            child
+                .stdout
+                .take()
+                .context("stdout")?
+                .read_to_end(&mut out)?;
+            child
+                .stderr
+                .take()
+                .context("stderr")?
+                .read_to_end(&mut err)?;
+            // Reaped by the reaper.
+            std::mem::forget(child);
+            if !err.is_empty() {
+                bail!("tine {args:?}: {}", String::from_utf8_lossy(&err));
             }
-            Ok(out.stdout)
+            Ok(out)
         };
         let get_log = || -> anyhow::Result<Vec<u8>> { Ok(api.get("/v1/vms/pb/console")?.body) };
         let (mut lib, mut http, mut follow, mut cmd) = (vec![], vec![], vec![], vec![]);
@@ -777,15 +930,37 @@ impl Bench {
             let seen = seen.clone();
             let mut s = stream.try_clone()?;
             std::thread::spawn(move || {
-                // The whole stream so far (a few bytes per PONG).
-                let mut all: Vec<u8> = Vec::new();
+                // The stream so far, and its body without the chunk
+                // framing (a guest writes a byte at a time: a PONG may
+                // come in several chunks).
+                let (mut raw, mut body) = (Vec::<u8>::new(), Vec::<u8>::new());
+                let mut pos = None;
                 let mut buf = [0u8; 4096];
                 while let Ok(k) = s.read(&mut buf) {
                     if k == 0 {
                         break;
                     }
-                    all.extend_from_slice(&buf[..k]);
-                    seen.store(pongs(&all), Ordering::SeqCst);
+                    raw.extend_from_slice(&buf[..k]);
+                    if pos.is_none() {
+                        pos = raw.windows(4).position(|w| w == b"\r\n\r\n").map(|e| e + 4);
+                    }
+                    let Some(p) = pos.as_mut() else { continue };
+                    // Whole chunks from `p` on.
+                    while let Some(nl) = raw[*p..].windows(2).position(|w| w == b"\r\n") {
+                        let Ok(size) = usize::from_str_radix(
+                            String::from_utf8_lossy(&raw[*p..*p + nl]).trim(),
+                            16,
+                        ) else {
+                            break;
+                        };
+                        let start = *p + nl + 2;
+                        if raw.len() < start + size + 2 {
+                            break;
+                        }
+                        body.extend_from_slice(&raw[start..start + size]);
+                        *p = start + size + 2;
+                    }
+                    seen.store(pongs(&body), Ordering::SeqCst);
                 }
             })
         };
@@ -800,21 +975,22 @@ impl Bench {
             let t = Instant::now();
             host::vm::console_send(&self.engine, "pa", "ping")
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
-            wait_count(|| Ok(pongs(&std::fs::read(&log_a)?)), before + 1, 200)?;
+            wait_count(|| Ok(pongs(&std::fs::read(&log_a)?)), before + 1, 200).context("engine")?;
             lib.push(ms(t.elapsed()));
             // API: POST, then GET the log until it shows.
             let before = pongs(&get_log()?);
             let t = Instant::now();
             api.post("/v1/vms/pb/console", &serde_json::json!({"line": "ping"}))?;
             http_send.push(ms(t.elapsed()));
-            wait_count(|| Ok(pongs(&get_log()?)), before + 1, 200)?;
+            wait_count(|| Ok(pongs(&get_log()?)), before + 1, 200).context("API")?;
             http.push(ms(t.elapsed()));
             // API with the follow stream open.
             std::thread::sleep(Duration::from_millis(150));
             let before = seen.load(Ordering::SeqCst);
             let t = Instant::now();
             api.post("/v1/vms/pb/console", &serde_json::json!({"line": "ping"}))?;
-            wait_count(|| Ok(seen.load(Ordering::SeqCst)), before + 1, 100)?;
+            wait_count(|| Ok(seen.load(Ordering::SeqCst)), before + 1, 100)
+                .context("API follow")?;
             follow.push(ms(t.elapsed()));
             std::thread::sleep(Duration::from_millis(150));
             // CLI.
@@ -822,7 +998,7 @@ impl Bench {
             let t = Instant::now();
             cli(&["console", "pb", "--send", "ping"])?;
             cmd_send.push(ms(t.elapsed()));
-            wait_count(|| Ok(pongs(&cli(&["console", "pb"])?)), before + 1, 0)?;
+            wait_count(|| Ok(pongs(&cli(&["console", "pb"])?)), before + 1, 0).context("CLI")?;
             cmd.push(ms(t.elapsed()));
         }
         let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -952,6 +1128,10 @@ impl Bench {
         println!("   rm   {}", show(&rm));
         println!("   end:       {end}");
         println!("   end + 3 s: {settled}");
+        println!(
+            "   largest files in the home at the end: {}",
+            largest_files(&self.home_b, 4)
+        );
         self.pair("sustained_secs", elapsed);
         self.pair("sustained_forks", total as f64);
         self.pair("sustained_forks_per_s", rate);
@@ -1115,17 +1295,25 @@ struct Series {
     fork_engine: Vec<f64>,
     fork_tined: Vec<f64>,
     fork_added: Vec<f64>,
+    /// wall - tined's handler time: connection, HTTP, wake-ups.
+    fork_transport: Vec<f64>,
+    /// CPU ms of the fork call: this thread's (in-process) or tined's
+    /// (all its threads, through the API).
+    fork_cpu: Vec<f64>,
     rm_engine: Vec<f64>,
     rm_added: Vec<f64>,
 }
 
-/// Fork `parent` into one child through `api`, then remove the child.
+/// Fork `parent` into one child through `api` (served by process
+/// `tined`), then remove the child.
 fn api_cycle(
     api: &Api,
+    tined: u32,
     parent: &str,
     headers: &[(&str, &str)],
     s: &mut Series,
 ) -> anyhow::Result<()> {
+    let cpu = proc_cpu_ns(tined);
     let t = Instant::now();
     let resp = api
         .request(
@@ -1136,11 +1324,14 @@ fn api_cycle(
         )?
         .ok("fork")?;
     let w = ms(t.elapsed());
+    s.fork_cpu
+        .push(proc_cpu_ns(tined).saturating_sub(cpu) as f64 / 1e6);
     let r = resp.json()?;
     if let Some((engine, handler)) = resp.timing {
         s.fork_engine.push(engine);
         s.fork_tined.push(handler - engine);
         s.fork_added.push(w - engine);
+        s.fork_transport.push(w - handler);
     }
     let total = r["total_ms"].as_f64().context("total_ms")?;
     s.fork.push(w);

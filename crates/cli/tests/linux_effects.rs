@@ -151,7 +151,10 @@ fn test_post_in_flight_at_fork_reaches_the_server_once() {
         .as_array()
         .map(|r| r.iter().filter(|c| c["ok"] != true).collect())
         .unwrap_or_default();
-    assert!(failed.is_empty(), "children that did not wake: {failed:?}\n{fork}");
+    assert!(
+        failed.is_empty(),
+        "children that did not wake: {failed:?}\n{fork}"
+    );
     // Let the copies retry (their waits join the one in flight), then the
     // server answers.
     std::thread::sleep(Duration::from_secs(3));
