@@ -2,7 +2,7 @@
 //! a fresh machine gets its package), and the table holds on this machine.
 //!
 //! The scan is textual, over every `.rs` file under crates/ and bench/ (new
-//! crates are picked up by themselves): `Command::new("lit")`, and `Command::new(var)`
+//! crates are picked up by themselves): `Command::new` of a string literal, and `Command::new(var)`
 //! where `var` is a `&str` parameter of the enclosing function (the literal
 //! arguments of that function's calls anywhere in crates/ count) or a local
 //! `let var = ...` / `let Some(var) = ...` whose statement holds command-like
