@@ -889,6 +889,18 @@ fn at_once(h: &Home, a: &[&str], b: &[&str]) -> (Output, Output) {
     )
 }
 
+/// Of two calls at once exactly one succeeded (`what` says which race):
+/// the loser's error.
+fn one_wins(a: &Output, b: &Output, what: &str) -> String {
+    assert!(
+        a.status.success() != b.status.success(),
+        "{what}: {} / {}",
+        err_of(a),
+        err_of(b)
+    );
+    err_of(if a.status.success() { b } else { a })
+}
+
 fn err_of(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -929,14 +941,7 @@ fn test_two_clients_at_once_one_wins_and_nothing_leaks() {
             &["fork", "v", "--names", "x,y"],
             &["fork", "v", "--names", "x,y"],
         );
-        assert!(
-            a.status.success() != b.status.success(),
-            "one fork of the names x,y wins: {} / {}",
-            err_of(&a),
-            err_of(&b)
-        );
-        let loser = if a.status.success() { &b } else { &a };
-        let e = err_of(loser);
+        let e = one_wins(&a, &b, "one fork of the names x,y wins");
         assert!(
             e.contains("\"x\"") && (e.contains("exists") || e.contains("being used")),
             "a clear error: {e}"
@@ -992,14 +997,7 @@ fn test_two_clients_at_once_one_wins_and_nothing_leaks() {
             &rig.disk,
         ];
         let (a, b) = at_once(h, &run, &run);
-        assert!(
-            a.status.success() != b.status.success(),
-            "one run of dup wins: {} / {}",
-            err_of(&a),
-            err_of(&b)
-        );
-        let loser = if a.status.success() { &b } else { &a };
-        let e = err_of(loser);
+        let e = one_wins(&a, &b, "one run of dup wins");
         assert!(
             e.contains("\"dup\"")
                 && (e.contains("being used")
