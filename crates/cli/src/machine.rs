@@ -32,11 +32,16 @@ use serde::{Deserialize, Serialize};
 use host::proc::ProcStat;
 use host::state::now_ms;
 
-/// The testhost scripts, one source of truth for the QEMU/initramfs recipe.
-const SCRIPTS: [(&str, &str); 3] = [
+/// The testhost scripts, one source of truth for the QEMU/initramfs recipe,
+/// and the kernel pin that `run` reads beside itself.
+const SCRIPTS: [(&str, &str); 4] = [
     ("run", include_str!("../../../testhost/run")),
     ("init", include_str!("../../../testhost/init")),
     ("stage2", include_str!("../../../testhost/stage2")),
+    (
+        "kernel-package",
+        include_str!("../../../guests/kernel-package"),
+    ),
 ];
 /// Port the agent listens on inside the machine.
 const GUEST_PORT: u16 = 10_000;

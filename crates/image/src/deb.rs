@@ -8,6 +8,12 @@ use crate::ImageError;
 
 /// The metapackage that names the current cloud kernel package.
 pub const KERNEL_METAPACKAGE: &str = "linux-image-cloud-amd64";
+/// The pin file, shared with testhost/run so the guests and the nested test
+/// host boot the same kernel.
+const KERNEL_PIN_FILE: &str = include_str!("../../../guests/kernel-package");
+/// Overrides the pin: a kernel package name, or [`KERNEL_METAPACKAGE`] to
+/// follow Debian's newest.
+pub const KERNEL_PACKAGE_ENV: &str = "TINE_KERNEL_PACKAGE";
 /// The package with a statically linked busybox.
 pub const BUSYBOX_PACKAGE: &str = "busybox-static";
 
@@ -67,6 +73,37 @@ pub fn resolve_kernel_package(hint: &str) -> Result<String, ImageError> {
             detail: "no linux-image-<version>-cloud-amd64 dependency listed".into(),
             hint: hint.to_string(),
         })
+}
+
+/// The kernel package to build with: `TINE_KERNEL_PACKAGE` if set, else the
+/// pin in guests/kernel-package. Either may be [`KERNEL_METAPACKAGE`].
+pub fn kernel_package() -> Result<String, ImageError> {
+    match std::env::var(KERNEL_PACKAGE_ENV) {
+        Ok(value) if !value.trim().is_empty() => {
+            checked_kernel_package(value.trim(), KERNEL_PACKAGE_ENV)
+        }
+        _ => checked_kernel_package(&pin_line(KERNEL_PIN_FILE), "guests/kernel-package"),
+    }
+}
+
+/// The pin file's first line that is neither empty nor a comment.
+fn pin_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn checked_kernel_package(package: &str, from: &str) -> Result<String, ImageError> {
+    if package == KERNEL_METAPACKAGE || is_kernel_package(package) {
+        Ok(package.to_string())
+    } else {
+        Err(ImageError::BadKernelPackage {
+            package: package.to_string(),
+            from: from.to_string(),
+        })
+    }
 }
 
 /// Downloads `package` with `apt-get download` into `cache`; returns the .deb.
@@ -201,5 +238,40 @@ mod tests {
         assert!(!is_kernel_package(KERNEL_METAPACKAGE));
         assert!(!is_kernel_package("linux-image-6.1.0-48-cloud-amd64-dbg"));
         assert!(!is_kernel_package("linux-image-6.1.0-48-amd64"));
+    }
+
+    #[test]
+    fn the_pin_names_one_cloud_kernel_package() {
+        let pin = pin_line(KERNEL_PIN_FILE);
+        assert!(
+            is_kernel_package(&pin),
+            "guests/kernel-package pins {pin:?}"
+        );
+        assert_eq!(
+            pin_line("# c\n\n  linux-image-cloud-amd64 \nx\n"),
+            KERNEL_METAPACKAGE
+        );
+        assert_eq!(pin_line("# only comments\n"), "");
+    }
+
+    #[test]
+    fn a_bad_override_is_refused_with_where_it_came_from() {
+        for bad in [
+            "",
+            "linux-image-6.1.0-50-amd64",
+            "bash; id",
+            "linux-image-cloud-amd64-dbg",
+        ] {
+            let err = checked_kernel_package(bad, KERNEL_PACKAGE_ENV).expect_err(bad);
+            let text = err.to_string();
+            assert!(
+                text.contains(KERNEL_PACKAGE_ENV) && text.contains("cloud-amd64"),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            checked_kernel_package(KERNEL_METAPACKAGE, "x").expect("metapackage"),
+            KERNEL_METAPACKAGE
+        );
     }
 }

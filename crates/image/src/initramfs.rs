@@ -26,7 +26,8 @@ pub fn init_script() -> String {
     format!(
         r#"#!/bin/busybox sh
 # tine minimal guest: mount, load the virtio modules, say ready, then run
-# the console shell, or the command given as tine.init=... and power off.
+# the console shell (again whenever it ends), or the command given as
+# tine.init=... and power off.
 # When the image has the guest agent, it runs in the background, logging
 # to the console.
 /bin/busybox --install -s
@@ -52,7 +53,14 @@ if [ -n "$cmd" ]; then
     sh -c "$cmd"
     echo "tine: exit $?"
 else
-    setsid cttyhack sh
+    # The console shell is respawned, as a getty is: it ending (an EOF or
+    # hangup on the console) must not power off a vm whose agent serves.
+    # `poweroff -f` powers it off.
+    while :; do
+        setsid cttyhack sh
+        echo "tine: the console shell ended (status $?); starting another"
+        sleep 1
+    done
 fi
 sync
 poweroff -f

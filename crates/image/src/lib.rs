@@ -3,9 +3,11 @@
 //!
 //! [`build`] gathers its inputs (kernel .deb or a given kernel, busybox, the
 //! /init script, the module list), hashes them, and returns the cached image
-//! when one with that hash exists. The .deb files are cached under
-//! `<home>/cache/debs/`; apt is consulted only when that cache has no kernel
-//! (or busybox) package, or on `force`.
+//! when one with that hash exists. The kernel is the Debian package pinned in
+//! guests/kernel-package (the nested test host boots the same one), or the
+//! one `TINE_KERNEL_PACKAGE` names. The .deb files are cached under
+//! `<home>/cache/debs/`; apt is consulted only when that cache lacks the
+//! package, or on `force`.
 //!
 //! Every image carries tine's guest agent unless built with
 //! [`AgentChoice::None`] (recorded in the manifest: [`Image::has_agent`]); by
@@ -25,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+pub use deb::{kernel_package, KERNEL_METAPACKAGE, KERNEL_PACKAGE_ENV};
 pub use debian::DEBIAN_IMAGE_NAME;
 pub use initramfs::READY_MARKER;
 pub use resolve::{resolve, Resolved, MICRO_IMAGES};
@@ -68,6 +71,13 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+    /// The pinned or requested kernel package is not a Debian cloud kernel.
+    #[error(
+        "{from} names {package:?}, which is not a Debian cloud kernel package: use \
+         linux-image-<version>-cloud-amd64 (`apt-cache search linux-image-.*-cloud-amd64` \
+         lists them), or linux-image-cloud-amd64 to follow the newest"
+    )]
+    BadKernelPackage { package: String, from: String },
     /// The kernel given with --kernel does not exist.
     #[error("Kernel {0} does not exist: pass --kernel with the path of a vmlinux or bzImage")]
     KernelMissing(PathBuf),
@@ -194,6 +204,8 @@ pub enum Step {
     Agent { path: Option<PathBuf> },
     /// Asking apt which kernel package is the newest.
     ResolvingKernel,
+    /// The pinned kernel package could not be had; the newest is used instead.
+    KernelPinUnavailable { package: String, detail: String },
     /// Downloading a package with apt-get (seconds).
     Downloading { package: String },
     /// An image with the same inputs is already built.
@@ -220,6 +232,12 @@ impl std::fmt::Display for Step {
             Step::Agent { path: Some(p) } => write!(f, "agent {}", p.display()),
             Step::Agent { path: None } => write!(f, "no agent (--no-agent)"),
             Step::ResolvingKernel => write!(f, "asking apt for the newest cloud kernel"),
+            Step::KernelPinUnavailable { package, detail } => write!(
+                f,
+                "warning: the pinned kernel {package} could not be downloaded ({detail}); \
+                 falling back to the newest, which may not boot reliably under the nested \
+                 test host (see guests/kernel-package; TINE_KERNEL_PACKAGE picks another)"
+            ),
             Step::Downloading { package } => write!(f, "downloading {package}"),
             Step::UpToDate { name, dir } => write!(f, "{name} is up to date: {}", dir.display()),
             Step::Building { name, hash } => write!(f, "building {name} {hash}"),
@@ -793,17 +811,44 @@ fn kernel_source(
         kernel_kind(path)?;
         return Ok(Source::File(path.clone()));
     }
-    if !opts.force {
-        if let Some(deb) = deb::find_debs(debs, deb::is_kernel_package)? {
-            return Ok(Source::Deb(deb));
+    let package = deb::kernel_package()?;
+    if package != deb::KERNEL_METAPACKAGE {
+        if !opts.force {
+            if let Some(deb) = deb::find_deb(debs, &package)? {
+                return Ok(Source::Deb(deb));
+            }
+        }
+        progress.step(Step::Downloading {
+            package: package.clone(),
+        });
+        match deb::download(debs, &package, HINT_APT) {
+            Ok(deb) => return Ok(Source::Deb(deb)),
+            Err(e) => progress.step(Step::KernelPinUnavailable {
+                package,
+                detail: e.to_string(),
+            }),
         }
     }
     progress.step(Step::ResolvingKernel);
-    let package = deb::resolve_kernel_package(HINT_APT)?;
+    let newest = match deb::resolve_kernel_package(HINT_APT) {
+        Ok(newest) => newest,
+        Err(e) => {
+            // Offline, following the newest: the newest one cached will do.
+            return match deb::find_debs(debs, deb::is_kernel_package)? {
+                Some(deb) if !opts.force => Ok(Source::Deb(deb)),
+                _ => Err(e),
+            };
+        }
+    };
+    if !opts.force {
+        if let Some(deb) = deb::find_deb(debs, &newest)? {
+            return Ok(Source::Deb(deb));
+        }
+    }
     progress.step(Step::Downloading {
-        package: package.clone(),
+        package: newest.clone(),
     });
-    Ok(Source::Deb(deb::download(debs, &package, HINT_APT)?))
+    Ok(Source::Deb(deb::download(debs, &newest, HINT_APT)?))
 }
 
 fn busybox_source(

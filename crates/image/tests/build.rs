@@ -69,6 +69,16 @@ fn test_build_minimal_image_cached_and_complete() {
     );
     assert!(image.dir.ends_with(format!("minimal-{}", image.hash)));
     assert!(image.cmdline.contains("console=ttyS0"));
+    // The pinned kernel (guests/kernel-package), not whatever is newest or cached.
+    let pin = image::kernel_package().expect("pin");
+    if pin != image::KERNEL_METAPACKAGE {
+        assert_eq!(format!("linux-image-{}", image.kernel_version), pin);
+        assert!(
+            image.kernel_source.starts_with(&format!("{pin}_")),
+            "{}",
+            image.kernel_source
+        );
+    }
 
     // The initramfs has /init, busybox, the console node and every module.
     let entries: Vec<String> = initramfs::list(&image.initramfs)
