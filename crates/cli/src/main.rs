@@ -9,7 +9,7 @@ mod image_cmd;
 mod machine;
 mod render;
 mod routing;
-mod size;
+use host::size;
 mod verbs;
 
 use std::path::PathBuf;

@@ -28,7 +28,7 @@ pub mod net;
 pub mod proc;
 pub mod reconcile;
 pub mod settle;
-pub mod size;
+pub use vmm::size;
 pub mod state;
 pub mod tree;
 pub mod vm;

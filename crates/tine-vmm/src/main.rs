@@ -4,7 +4,7 @@
 //! (status 0), resets (0), or the host stops it (SIGINT/SIGTERM).
 
 mod args;
-mod size;
+use vmm::size;
 mod store_source;
 
 use std::process::ExitCode;

@@ -29,6 +29,7 @@ pub mod moment;
 pub mod pagein;
 pub mod persist;
 pub mod process;
+pub mod size;
 pub mod snapshot_dir;
 pub mod state;
 pub mod title;

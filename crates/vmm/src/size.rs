@@ -1,4 +1,5 @@
-//! Memory sizes as users write them: `512M`, `1G`, `64` (MiB).
+//! Memory sizes as users write them: `512M`, `1G`, `64` (MiB); parsed the
+//! same by the CLI, tined (host) and the VMM binary.
 
 /// Parses a size into MiB.
 pub fn parse_mib(s: &str) -> Result<u64, String> {
