@@ -134,6 +134,21 @@ fn test_crashed_vmm_is_reported_and_cleaned() {
         assert!(Instant::now() < deadline, "ls never reported the crash");
         std::thread::sleep(Duration::from_millis(50));
     }
+    // tined reaped it and says how it ended (it could leave no record).
+    let want = "ended without an exit record: signal: 9 (SIGKILL)";
+    while !field(&ls(&home), "c", "exit")
+        .as_str()
+        .is_some_and(|e| e.contains(want))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "ls never said how the VMM ended: {:?}",
+            field(&ls(&home), "c", "exit")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let e = fails(&home, &["checkpoint", "c"]);
+    assert!(e.contains("is crashed") && e.contains("SIGKILL"), "{e}");
     // A crashed vm's name stays taken until rm.
     let e = fails(&home, &["run", "--name", "c", "--image", "micro-counter"]);
     assert!(e.contains("tine rm c"), "{e}");

@@ -18,9 +18,10 @@ pub fn agent_vm(h: &Host, name: &str) -> crate::Result<VmDir> {
     let r = vm.read_record()?;
     match vm.state(&r) {
         VmState::Running => {}
-        s => {
+        _ => {
             return Err(Error::conflict(format!(
-                "vm {name:?} is {s}; start a new one with `tine run`"
+                "vm {name:?} is {}; start a new one with `tine run`",
+                vm.not_running(&r)
             )))
         }
     }

@@ -63,6 +63,15 @@ pub struct ExitRecord {
     pub ended_ms: u64,
 }
 
+/// How a vm's VMM process ended, as its reaper saw it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReapedRecord {
+    pub pid: u32,
+    /// The wait status (`signal: 9 (SIGKILL)`, `exit status: 101`).
+    pub status: String,
+    pub ended_ms: u64,
+}
+
 /// A vm's state as `ls` shows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -134,6 +143,11 @@ impl VmDir {
     pub fn exit_path(&self) -> PathBuf {
         self.dir.join("exit.json")
     }
+    /// How the vm's VMM process ended as its reaper (tined) saw it, for a
+    /// process that left no exit record (killed by a signal).
+    pub fn reaped_path(&self) -> PathBuf {
+        self.dir.join("reaped.json")
+    }
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
     }
@@ -201,6 +215,46 @@ impl VmDir {
     pub fn read_exit(&self) -> Option<ExitRecord> {
         let text = std::fs::read_to_string(self.exit_path()).ok()?;
         serde_json::from_str(&text).ok()
+    }
+
+    /// Records how process `pid` of this vm ended (its wait status), when
+    /// it left no exit record of its own.
+    pub fn write_reaped(&self, pid: u32, status: &str) -> crate::Result<()> {
+        let rec = ReapedRecord {
+            pid,
+            status: status.to_string(),
+            ended_ms: now_ms(),
+        };
+        write_atomic(&self.reaped_path(), &serde_json::to_vec(&rec)?)
+    }
+
+    /// How the process of record `r` ended, if its reaper recorded it.
+    pub fn read_reaped(&self, r: &VmRecord) -> Option<ReapedRecord> {
+        let text = std::fs::read_to_string(self.reaped_path()).ok()?;
+        serde_json::from_str::<ReapedRecord>(&text)
+            .ok()
+            .filter(|x| x.pid == r.pid)
+    }
+
+    /// Why a vm that is not running is not: its state and what ended it,
+    /// for error messages (`crashed (...: signal: 9 (SIGKILL))`).
+    pub fn not_running(&self, r: &VmRecord) -> String {
+        match self.state(r) {
+            VmState::Running => "running".into(),
+            VmState::Stopped => match self.read_exit() {
+                Some(e) => format!("stopped ({})", e.reason),
+                None => "stopped".into(),
+            },
+            s => format!("{s} (its {})", self.crash_detail(r)),
+        }
+    }
+
+    /// What is known of how a crashed vm's VMM ended (`ls` shows it).
+    pub fn crash_detail(&self, r: &VmRecord) -> String {
+        match self.read_reaped(r) {
+            Some(x) => format!("VMM process ended without an exit record: {}", x.status),
+            None => "VMM process gone without an exit record".into(),
+        }
     }
 
     /// The vm's state, from its record, its process and its exit record.

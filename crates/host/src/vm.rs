@@ -735,7 +735,7 @@ fn row(h: &Host, vm: &VmDir, r: &VmRecord) -> VmInfo {
         uptime_s: running.then(|| state::now_ms().saturating_sub(r.created_ms) / 1000),
         exit: match st {
             VmState::Stopped => vm.read_exit().map(|e| e.reason),
-            VmState::Crashed => Some("VMM process gone without an exit record".into()),
+            VmState::Crashed => Some(vm.crash_detail(r)),
             _ => None,
         },
         parent: r.parent.clone(),
@@ -787,8 +787,9 @@ pub(crate) fn running(h: &Host, name: &str) -> crate::Result<(VmDir, VmRecord)> 
     let r = vm.read_record()?;
     match vm.state(&r) {
         VmState::Running => Ok((vm, r)),
-        s => Err(Error::conflict(format!(
-            "vm {name:?} is {s}; only a running vm can do that"
+        _ => Err(Error::conflict(format!(
+            "vm {name:?} is {}; only a running vm can do that",
+            vm.not_running(&r)
         ))),
     }
 }

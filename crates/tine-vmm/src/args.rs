@@ -106,8 +106,8 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
             return Err(e);
         }
     };
-    let exit = process::serve(vmm, opts, || {}).context("vm failed")?;
-    eprintln!("tine: guest {exit}");
+    let (exit, reason) = process::serve(vmm, opts, || {}).context("vm failed")?;
+    eprintln!("tine: guest {reason}");
     Ok(ExitCode::from(exit.exit_code() as u8))
 }
 

@@ -213,6 +213,17 @@ fn daemon(
                     let home = &st.host.home;
                     drop(host::lock::acquire(home, &name, Duration::from_secs(10)));
                     if vm_of(home, pid).as_deref() == Some(name.as_str()) {
+                        // A VMM writes why it ended; one killed by a
+                        // signal (an OOM kill, a crash, a host kernel
+                        // that killed its vCPU thread) cannot: its wait
+                        // status is all there is, so `ls` and errors say it.
+                        let vm = host::state::VmDir::new(home, &name);
+                        if vm.read_exit().is_none() {
+                            tracing::warn!(vm = %name, pid, %status, "a VMM ended without an exit record");
+                            if let Err(e) = vm.write_reaped(pid, &status.to_string()) {
+                                tracing::warn!(vm = %name, "cannot record how its VMM ended: {e:#}");
+                            }
+                        }
                         st.events.emit(
                             "vm.exited",
                             &name,

@@ -68,12 +68,14 @@ pub enum ServeError {
 }
 
 /// Runs `vmm` until it exits, serving its control socket; `on_running` is
-/// called once its vCPUs run. Writes the exit file and returns why it ended.
+/// called once its vCPUs run. Writes the exit file and returns why it
+/// ended, with the exit record's reason (what failed, where there was a
+/// cause: `shutdown: vcpu0: triple fault ... at rip ...`).
 pub fn serve(
     vmm: Vmm,
     opts: ProcessOptions,
     on_running: impl FnOnce(),
-) -> Result<GuestExit, ServeError> {
+) -> Result<(GuestExit, String), ServeError> {
     // A forked process still shows its parent's name and command line.
     crate::title::set(&opts.name, None);
     let running = vmm.start_as(opts.start_paused)?;
@@ -88,11 +90,18 @@ pub fn serve(
     on_running();
     let notifier = running.handle().exit_notifier().clone();
     let exit = running.wait();
-    match notifier.detail() {
-        Some(detail) => write_exit_detail(&opts, &format!("{exit}: {detail}"), Some(detail)),
-        None => write_exit(&opts, &exit.to_string()),
-    }
-    Ok(exit)
+    let reason = match notifier.detail() {
+        Some(detail) => {
+            let reason = format!("{exit}: {detail}");
+            write_exit_detail(&opts, &reason, Some(detail));
+            reason
+        }
+        None => {
+            write_exit(&opts, &exit.to_string());
+            exit.to_string()
+        }
+    };
+    Ok((exit, reason))
 }
 
 /// Records why the vm ended (best effort: the process is ending).
@@ -722,7 +731,7 @@ fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, Strin
         start_paused: mode == Mode::Child && id.start_paused,
     };
     let pid = std::process::id();
-    let exit = serve(vmm, opts, || {
+    let (exit, _) = serve(vmm, opts, || {
         mark("running");
         off.ready(&format!("{pid} {}", fork::monotonic_ns()))
     })

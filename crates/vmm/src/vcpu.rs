@@ -695,8 +695,12 @@ impl Vcpu {
                 exit.notify(GuestExit::Shutdown);
             }
             Ok(VcpuExit::Shutdown) => {
-                tracing::info!("vcpu{index}: shutdown (triple fault)");
-                exit.notify(GuestExit::Shutdown);
+                // The guest crashed (a triple fault), it did not power off:
+                // say where, so `ls` and vmm.log tell one from the other.
+                let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                let why = format!("vcpu{index}: triple fault (KVM_EXIT_SHUTDOWN) at rip {rip:#x}");
+                tracing::warn!("{why}");
+                exit.fail(GuestExit::Shutdown, why);
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 let reason = match kind {

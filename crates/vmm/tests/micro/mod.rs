@@ -163,7 +163,7 @@ impl VmmProcess {
             let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 process::serve(make(), opts, || {})
             })) {
-                Ok(Ok(exit)) => exit.exit_code(),
+                Ok(Ok((exit, _))) => exit.exit_code(),
                 Ok(Err(e)) => {
                     eprintln!("serve: {e}");
                     3
