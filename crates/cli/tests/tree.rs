@@ -382,7 +382,17 @@ fn test_a_lazy_wake_over_a_corrupted_chunk_ends_the_vm_naming_the_chunk() {
             !h.0.path().join("vms").join("z").exists(),
             "no vm left behind"
         );
-        String::from_utf8_lossy(&woke.stderr).into_owned()
+        let err = String::from_utf8_lossy(&woke.stderr).into_owned();
+        // The logs the error points to outlive the half-started vm.
+        let kept = err
+            .split("are kept in ")
+            .nth(1)
+            .and_then(|t| t.split(')').next())
+            .unwrap_or_else(|| panic!("the error says where the logs are: {err}"));
+        let kept = std::path::Path::new(kept);
+        assert!(kept.join("vmm.log").is_file(), "{err}");
+        assert!(kept.starts_with(h.0.path().join("failed")), "{err}");
+        err
     };
     assert!(
         reason.contains("chunk") && reason.contains("snapshot"),

@@ -83,9 +83,10 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     let mut r = vm.read_record()?;
     match vm.state(&r) {
         VmState::Running => {}
-        s => {
+        _ => {
             return Err(Error::conflict(format!(
-                "vm {name:?} is {s}: only a running vm can be put to sleep"
+                "vm {name:?} is {}: only a running vm can be put to sleep",
+                vm.not_running(&r)
             )))
         }
     }
@@ -373,16 +374,56 @@ pub fn wake(
     let res = match res {
         Err(e) if !marked => {
             let vm = VmDir::new(&h.home, &name);
+            let mut kept = String::new();
             if vm.dir.exists() {
+                // The error names the vm's logs; they outlive its removal.
+                if let Some(d) = keep_failed_logs(h, &vm) {
+                    kept = format!(" (its vmm.log and console.log are kept in {})", d.display());
+                }
                 crate::vm::undo_start(h, &vm);
             }
-            Err(e.context(format!("branch {branch:?} was not woken; it still sleeps")))
+            Err(e.context(format!(
+                "branch {branch:?} was not woken; it still sleeps{kept}"
+            )))
         }
         res => res,
     };
     intent.done();
     trim_cache(&store);
     res
+}
+
+/// How many failed wakes' logs `$TINE_HOME/failed/` keeps (the oldest go).
+const FAILED_LOGS_KEPT: usize = 8;
+
+/// Moves a half-started vm's logs to `$TINE_HOME/failed/NAME-MS/` before
+/// the vm is removed, keeping the newest [`FAILED_LOGS_KEPT`]; where they
+/// went, or `None` if nothing could be kept.
+fn keep_failed_logs(h: &Host, vm: &VmDir) -> Option<std::path::PathBuf> {
+    let root = h.home.join("failed");
+    let dest = root.join(format!("{}-{}", vm.name, state::now_ms()));
+    std::fs::create_dir_all(&dest).ok()?;
+    let mut any = false;
+    for f in [vm.vmm_log(), vm.console_log()] {
+        if let Some(base) = f.file_name() {
+            any |= std::fs::rename(&f, dest.join(base)).is_ok();
+        }
+    }
+    let mut old: Vec<_> = std::fs::read_dir(&root)
+        .ok()?
+        .flatten()
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    old.sort();
+    let n = old.len().saturating_sub(FAILED_LOGS_KEPT);
+    for (_, p) in old.into_iter().take(n) {
+        let _ = std::fs::remove_dir_all(p);
+    }
+    if !any {
+        let _ = std::fs::remove_dir(&dest);
+        return None;
+    }
+    Some(dest)
 }
 
 /// Finishes a wake whose vm became ready but whose branch was not
