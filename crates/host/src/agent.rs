@@ -10,6 +10,12 @@ use protocol::client::{self, ClientError};
 /// unanswered is tried once more: the VMM resets the abandoned request
 /// (and logs where it stood), so a guest that was only slow, on a loaded
 /// host, answers the second; one that answers neither is reported.
+///
+/// The last line of defence, tried once more: a connection the guest did
+/// not answer, or closed or reset before any request was sent on it (the
+/// handshake or Hello). Nothing was asked of the agent yet, so nothing
+/// can happen twice. Seen in the nested host under heavy load, right after
+/// a fork child's wake-up (docs/design/fork.md); each retry is logged.
 pub fn connect(uds: &Path, timeout: Duration) -> Result<UnixStream, ClientError> {
     match connect_once(uds, timeout) {
         Err(ClientError::HandshakeTimeout { port }) => {
@@ -19,7 +25,33 @@ pub fn connect(uds: &Path, timeout: Duration) -> Result<UnixStream, ClientError>
             );
             connect_once(uds, timeout)
         }
+        Err(e) if closed_before_request(&e) => {
+            tracing::warn!(
+                "the guest closed a new connection to vsock port {} before any request ({e}); trying once more",
+                protocol::AGENT_PORT
+            );
+            std::thread::sleep(Duration::from_millis(100));
+            connect_once(uds, timeout)
+        }
         r => r,
+    }
+}
+
+/// Whether a failed [`connect_once`] ended because the peer closed or
+/// reset the connection (not a refusal it explained, a version mismatch
+/// or a local error).
+fn closed_before_request(e: &ClientError) -> bool {
+    use protocol::ProtocolError;
+    match e {
+        ClientError::Handshake { reason, .. } => reason.contains("connection closed"),
+        ClientError::Protocol(ProtocolError::Closed) => true,
+        ClientError::Protocol(ProtocolError::Io(io)) => matches!(
+            io.kind(),
+            std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::UnexpectedEof
+        ),
+        _ => false,
     }
 }
 
@@ -58,9 +90,19 @@ mod tests {
 
     use super::*;
 
-    /// A VMM socket whose first `CONNECT` goes unanswered (as a stuck or
-    /// busy guest leaves it) and whose second gets `OK` and a Hello.
-    fn fake_vmm(path: &Path, answer_first: bool) -> std::thread::JoinHandle<usize> {
+    /// How the fake guest treats the first connection.
+    #[derive(Clone, Copy, PartialEq)]
+    enum First {
+        /// Unanswered, as a stuck or busy guest leaves it.
+        Silent,
+        /// Taken (`OK`), then closed before the Hello is answered, as a
+        /// guest whose vsock reset it.
+        Closed,
+    }
+
+    /// A VMM socket that treats its first `CONNECT` as `first` says and
+    /// answers the second with `OK` and a Hello.
+    fn fake_vmm(path: &Path, first: First) -> std::thread::JoinHandle<usize> {
         let listener = UnixListener::bind(path).expect("bind");
         std::thread::spawn(move || {
             let mut tries = 0;
@@ -71,13 +113,17 @@ mod tests {
                 let mut line = String::new();
                 r.read_line(&mut line).expect("connect line");
                 assert_eq!(line, format!("CONNECT {}\n", protocol::AGENT_PORT));
-                if tries == 1 && !answer_first {
+                if tries == 1 && first == First::Silent {
                     // Hold the connection until the client gives up.
                     let _ = r.read_line(&mut line);
                     continue;
                 }
                 let mut w = conn;
                 w.write_all(b"OK 1073741824\n").expect("ok");
+                if tries == 1 && first == First::Closed {
+                    let _ = protocol::read_frame(&mut r);
+                    continue; // dropped: closed with the Hello unanswered
+                }
                 let _ = protocol::read_frame(&mut r);
                 protocol::send(
                     &mut w,
@@ -98,7 +144,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tine-agent-client-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let path = dir.join("v.sock");
-        let vmm = fake_vmm(&path, false);
+        let vmm = fake_vmm(&path, First::Silent);
+        connect(&path, Duration::from_millis(300)).expect("the second try connects");
+        assert_eq!(vmm.join().expect("fake vmm"), 2);
+
+        // Closed before any request: nothing was asked, so tried again.
+        let _ = std::fs::remove_file(&path);
+        let vmm = fake_vmm(&path, First::Closed);
         connect(&path, Duration::from_millis(300)).expect("the second try connects");
         assert_eq!(vmm.join().expect("fake vmm"), 2);
 

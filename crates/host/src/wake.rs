@@ -303,14 +303,15 @@ pub fn wake_one(vm: &VmDir, w: Wake) -> Woken {
                 bail!("cannot resume the child: {e}");
             }
         }
-        let mut s = agent::connect(&vsock, WAKE_TIMEOUT)?;
+        let mut s = agent::connect(&vsock, WAKE_TIMEOUT)
+            .context("connecting to the agent (nothing was asked of it)")?;
         s.set_read_timeout(Some(WAKE_TIMEOUT))?;
         // The host's time as of sending, not of building the message.
         let mut w = w;
         if w.host_time_ns.is_some() {
             w.host_time_ns = Some(now_ns());
         }
-        Ok(protocol::wake(&mut s, w)?)
+        protocol::wake(&mut s, w).context("after the Wake message was sent")
     })();
     let wake_ms = t0.elapsed().as_secs_f64() * 1000.0;
     let (report, error) = match res {
@@ -327,7 +328,12 @@ pub fn wake_one(vm: &VmDir, w: Wake) -> Woken {
                 Some(format!("randomness was not renewed ({why}): not ready")),
             )
         }
-        Err(e) => (None, Some(format!("wake failed: {e}"))),
+        // The whole chain: "Cannot connect to X" alone does not say whether
+        // the socket was gone or refused.
+        Err(e) => (
+            None,
+            Some(format!("wake failed: {}", vmm::trace::chain(&e))),
+        ),
     };
     Woken {
         name: name.to_string(),

@@ -181,7 +181,7 @@ pub enum Frame {
 /// Errors reading or writing frames.
 #[derive(Debug, thiserror::Error)]
 pub enum ProtocolError {
-    #[error("Connection failed")]
+    #[error("Connection failed: {}", io_reason(.0))]
     Io(#[from] io::Error),
     #[error("Connection closed by the peer")]
     Closed,
@@ -195,6 +195,17 @@ pub enum ProtocolError {
     BadStream(u8),
     #[error("Malformed message: {0}")]
     Decode(String),
+}
+
+/// An I/O error as a reader should see it: a socket's read timeout
+/// surfaces as EAGAIN ("Resource temporarily unavailable").
+fn io_reason(e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            format!("no answer in time (the read timed out: {e})")
+        }
+        _ => e.to_string(),
+    }
 }
 
 /// Writes one frame.
@@ -263,6 +274,14 @@ pub fn send(w: &mut impl Write, m: Message) -> Result<(), ProtocolError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_connection_errors_say_what_failed() {
+        let reset = ProtocolError::from(io::Error::from(io::ErrorKind::ConnectionReset));
+        assert!(reset.to_string().contains("reset"), "{reset}");
+        let slow = ProtocolError::from(io::Error::from(io::ErrorKind::WouldBlock));
+        assert!(slow.to_string().contains("timed out"), "{slow}");
+    }
 
     #[test]
     fn test_frames_roundtrip() {

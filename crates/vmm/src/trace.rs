@@ -24,14 +24,37 @@ pub fn trace(t0: Instant, what: &str) {
     );
 }
 
-/// An error and its causes on one line.
+/// An error and its causes on one line; a cause whose text an outer
+/// message already holds (many say their source) is not repeated.
 pub fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer: {0}")]
+    struct Outer(#[source] Inner);
+    #[derive(Debug, thiserror::Error)]
+    #[error("inner")]
+    struct Inner;
+    #[derive(Debug, thiserror::Error)]
+    #[error("quiet")]
+    struct Quiet(#[source] Inner);
+
+    #[test]
+    fn test_chain_says_each_cause_once() {
+        assert_eq!(super::chain(&Outer(Inner)), "outer: inner");
+        assert_eq!(super::chain(&Quiet(Inner)), "quiet: inner");
+    }
 }

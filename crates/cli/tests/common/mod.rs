@@ -696,20 +696,23 @@ impl Home {
     /// `ok` with its own time limit.
     pub fn ok_within(&self, args: &[&str], limit: Duration) -> String {
         let out = self.out_within(args, limit);
+        let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             out.status.success(),
-            "tine {args:?}: {}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            self.tails_of(args)
+            "tine {args:?}: {stderr}\n{}",
+            self.tails_of(args, &stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
     /// The last lines of `console.log` and `vmm.log` of every vm `args`
-    /// names, so a failed call shows what its guest and VMM were doing.
-    pub fn tails_of(&self, args: &[&str]) -> String {
+    /// names, or that the error names (`p-8: wake failed`: a fork's
+    /// child), so a failed call shows what its guest and VMM were doing.
+    pub fn tails_of(&self, args: &[&str], error: &str) -> String {
         let mut out = String::new();
         for (name, dir, _) in self.vms() {
-            if args.iter().any(|a| a.split(',').any(|n| n == name)) {
+            if args.iter().any(|a| a.split(',').any(|n| n == name))
+                || error.contains(&format!("{name}: "))
+            {
                 out.push_str(&log_tails(&dir));
             }
         }
