@@ -38,6 +38,27 @@ fn test_exec_cp_and_lifecycle_through_the_agent() {
         assert_eq!(st.code(), Some(want), "sh -c {cmd:?}");
     }
 
+    // The console shell ending does not power the vm off: /init starts
+    // another (before, a shell that ended powered off the vm under its
+    // agent: a fork child "stopped" right after its wake).
+    h.ok(&["console", "one", "--send", "exit"]);
+    let log = h.0.path().join("vms").join("one").join("console.log");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("the console shell ended")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the console shell did not end on `exit`"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert_eq!(
+        h.ok(&["exec", "one", "--", "echo", "alive"]).trim(),
+        "alive"
+    );
+
     // env, cwd, stderr apart from stdout.
     let out = h.out(&[
         "exec",
