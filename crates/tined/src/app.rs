@@ -21,6 +21,12 @@ fn json<T: Serialize>(v: &T) -> ApiResult<serde_json::Value> {
     serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
 }
 
+/// An answer's JSON text, written once (no `Value` tree in between: run
+/// and fork answers are the API's hot path).
+fn raw<T: Serialize>(v: &T) -> ApiResult<Box<serde_json::value::RawValue>> {
+    serde_json::value::to_raw_value(v).map_err(|e| ApiError::internal(e.to_string()))
+}
+
 /// Runs `f` once per `Idempotency-Key` (when the request has one): a
 /// repeat gets the stored answer.
 async fn idempotent<F, Fut>(
@@ -31,7 +37,7 @@ async fn idempotent<F, Fut>(
 ) -> ApiResult<Response>
 where
     F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = ApiResult<(StatusCode, serde_json::Value)>>,
+    Fut: std::future::Future<Output = ApiResult<(StatusCode, Box<serde_json::value::RawValue>)>>,
 {
     let key = match headers.get("idempotency-key") {
         None => {
@@ -77,21 +83,24 @@ where
         // a vm that is busy): not kept, so a retry with the same key, once
         // the cause is fixed, runs.
         Err(e) if e.status.is_client_error() => return Ok(e.into_response()),
-        Err(e) => (e.status, json(&e.body)?),
+        Err(e) => (e.status, raw(&e.body)?),
     };
-    s.idem.put(
-        &key,
-        &Answer {
-            fingerprint,
-            status: status.as_u16(),
-            body: body.clone(),
-            stored_ms: host::state::now_ms(),
-        },
-    );
-    Ok((status, Json(body)).into_response())
+    let answer = Answer {
+        fingerprint,
+        status: status.as_u16(),
+        body,
+        stored_ms: host::state::now_ms(),
+    };
+    s.idem.put(&key, &answer);
+    Ok((status, Json(answer.body)).into_response())
 }
 
-fn fingerprint(method: &str, path: &str, body: &impl Serialize) -> String {
+/// What a request was, for comparing a repeat of its Idempotency-Key
+/// (empty for a request without one: nothing compares it).
+fn fingerprint(headers: &HeaderMap, method: &str, path: &str, body: &impl Serialize) -> String {
+    if !headers.contains_key("idempotency-key") {
+        return String::new();
+    }
     let b = serde_json::to_vec(body).unwrap_or_default();
     format!("{method} {path} {}", blake3::hash(&b).to_hex())
 }
@@ -189,7 +198,7 @@ pub async fn run_vm(
     JsonBody(spec): JsonBody<host::vm::RunSpec>,
 ) -> ApiResult<Response> {
     absolute_paths(&spec)?;
-    let fp = fingerprint("POST", "/v1/vms", &spec);
+    let fp = fingerprint(&headers, "POST", "/v1/vms", &spec);
     idempotent(&s, &headers, fp, || async {
         let st = s.clone();
         let name = spec.name.clone();
@@ -208,7 +217,7 @@ pub async fn run_vm(
             &name,
             serde_json::json!({ "pid": report.pid }),
         );
-        Ok((StatusCode::CREATED, json(&report)?))
+        Ok((StatusCode::CREATED, raw(&report)?))
     })
     .await
 }
@@ -251,11 +260,9 @@ async fn vm_runs(s: &Shared, name: &str, doing: &'static str) -> ApiResult<host:
         let info = host::vm::info(&st.host, &n)?;
         if info.state != host::state::VmState::Running {
             return Err(host::Error::conflict(format!(
-                "vm {n:?} is {}: only a running vm can {doing}",
-                serde_json::to_value(info.state)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_string))
-                    .unwrap_or_else(|| "not running".into())
+                "vm {n:?} is {}{}: only a running vm can {doing}",
+                info.state,
+                info.exit.map(|e| format!(" ({e})")).unwrap_or_default()
             )));
         }
         Ok(info)
@@ -350,7 +357,7 @@ pub async fn fork_vm(
     headers: HeaderMap,
     JsonBody(spec): JsonBody<host::fork::ForkSpec>,
 ) -> ApiResult<Response> {
-    let fp = fingerprint("POST", &format!("/v1/vms/{name}/fork"), &spec);
+    let fp = fingerprint(&headers, "POST", &format!("/v1/vms/{name}/fork"), &spec);
     idempotent(&s, &headers, fp, || async {
         let st = s.clone();
         let n = name.clone();
@@ -374,7 +381,7 @@ pub async fn fork_vm(
             &name,
             serde_json::json!({ "children": report.names, "pause_ms": report.pause_ms }),
         );
-        Ok((StatusCode::OK, json(&report)?))
+        Ok((StatusCode::OK, raw(&report)?))
     })
     .await
 }

@@ -51,7 +51,8 @@ pub struct Answer {
     /// What the request was (method, path, body hash).
     pub fingerprint: String,
     pub status: u16,
-    pub body: serde_json::Value,
+    /// The answer's JSON as sent (kept as text: it is only ever sent again).
+    pub body: Box<serde_json::value::RawValue>,
     pub stored_ms: u64,
 }
 
