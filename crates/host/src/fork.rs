@@ -385,9 +385,8 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         if !w.ready() && w.role == Role::Child {
             if let Some(i) = dirs.iter().position(|d| d.name == w.name) {
                 let why = w.error.as_deref().unwrap_or("wake failed");
-                fail_closed(&dirs[i], &recs[i], why);
                 results[i].ok = false;
-                results[i].error = Some(why.to_string());
+                results[i].error = Some(fail_closed(&dirs[i], &recs[i], why, recs[i].created_ms));
             }
         }
     }
@@ -413,9 +412,14 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
 }
 
 /// A copy whose randomness was not renewed must not run on: it is killed
-/// and its record says why (`ls` shows it stopped).
-fn fail_closed(d: &VmDir, rec: &VmRecord, why: &str) {
+/// and its record says why (`ls` shows it stopped). Returns the error to
+/// report: `why`, and how the VMM ended if it had ended on its own since
+/// `since_ms` (its guest crashed during the wake: its exit record is kept).
+fn fail_closed(d: &VmDir, rec: &VmRecord, why: &str, since_ms: u64) -> String {
     let _ = kill_quietly(rec);
+    if let Some(own) = d.read_exit().filter(|e| e.ended_ms >= since_ms) {
+        return format!("{why} (its VMM had ended: {})", own.reason);
+    }
     let exit = state::ExitRecord {
         reason: format!("killed: {why}"),
         ended_ms: state::now_ms(),
@@ -423,6 +427,7 @@ fn fail_closed(d: &VmDir, rec: &VmRecord, why: &str) {
     if let Ok(bytes) = serde_json::to_vec_pretty(&exit) {
         let _ = state::write_atomic(&d.exit_path(), &bytes);
     }
+    why.to_string()
 }
 
 /// The vm's contract, or `over` (TOML text) over it (secrets merge).
@@ -707,7 +712,10 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
         let woken = wake::wake_one(&vm, w);
         problems.extend(woken.failures());
         if !woken.ready() {
-            fail_closed(&vm, &r, woken.error.as_deref().unwrap_or("wake failed"));
+            // The old process's exit record may be in the directory: the
+            // new one's is not told apart, so none is taken as its own.
+            let why = woken.error.as_deref().unwrap_or("wake failed");
+            fail_closed(&vm, &r, why, u64::MAX);
         }
     }
     intent.done();

@@ -696,9 +696,13 @@ impl Vcpu {
             }
             Ok(VcpuExit::Shutdown) => {
                 // The guest crashed (a triple fault), it did not power off:
-                // say where, so `ls` and vmm.log tell one from the other.
-                let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
-                let why = format!("vcpu{index}: triple fault (KVM_EXIT_SHUTDOWN) at rip {rip:#x}");
+                // say so, and where if KVM still knows, so `ls` and vmm.log
+                // tell one from the other.
+                let rip = self.fd.get_regs().map(|r| r.rip).ok();
+                let why = format!(
+                    "vcpu{index}: triple fault (KVM_EXIT_SHUTDOWN){}",
+                    shutdown_where(rip)
+                );
                 tracing::warn!("{why}");
                 exit.fail(GuestExit::Shutdown, why);
             }
@@ -785,5 +789,27 @@ impl crate::persist::Persist for Vcpu {
     fn restore(fresh: Vcpu, state: &VcpuState) -> Result<Self, VcpuError> {
         fresh.restore_state(state)?;
         Ok(fresh)
+    }
+}
+
+/// Where a triple fault happened, for its report. On AMD SVM, KVM puts the
+/// vCPU through INIT before it reports the shutdown (the VMCB is undefined
+/// after one), so its registers are the reset state: rip 0xfff0 says
+/// nothing about where the guest was.
+fn shutdown_where(rip: Option<u64>) -> String {
+    match rip {
+        Some(0xfff0) => " (registers were reset by KVM, as AMD SVM does on a shutdown: where the guest was is unknown)".into(),
+        Some(rip) => format!(" at rip {rip:#x}"),
+        None => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn test_a_triple_fault_after_an_svm_reset_names_no_rip() {
+        assert_eq!(super::shutdown_where(Some(0x1234)), " at rip 0x1234");
+        assert!(super::shutdown_where(Some(0xfff0)).contains("unknown"));
+        assert_eq!(super::shutdown_where(None), "");
     }
 }
