@@ -29,7 +29,7 @@ pub use crate::branches::{
 };
 use crate::error::Context;
 use crate::intent::{Intent, Op, Phase};
-use crate::state::{self, VmDir, VmRecord, VmState};
+use crate::state::{self, VmDir, VmRecord};
 use crate::vm::{RunReport, RunSpec};
 use crate::{bail, gateway, lock, wake, Error, Host};
 use protocol::wake::Role;
@@ -79,17 +79,7 @@ pub struct DiskReport {
 pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepReport> {
     state::validate_name(name)?;
     let _lock = lock::acquire(&h.home, name, lock::DEFAULT_WAIT)?;
-    let vm = VmDir::new(&h.home, name);
-    let mut r = vm.read_record()?;
-    match vm.state(&r) {
-        VmState::Running => {}
-        _ => {
-            return Err(Error::conflict(format!(
-                "vm {name:?} is {}: only a running vm can be put to sleep",
-                vm.not_running(&r)
-            )))
-        }
-    }
+    let (vm, mut r) = crate::vm::running_for(h, name, "be put to sleep")?;
     let _layers = crate::layers::shared(h)?;
     if !crate::fork::list_checkpoints(h, name)?.is_empty() {
         return Err(Error::conflict(format!("vm {name:?} has checkpoints; they live in processes and cannot sleep with it (delete them with `tine rm {name}@TAG`, or roll back first)")));

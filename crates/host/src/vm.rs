@@ -782,13 +782,19 @@ pub fn pagein_faults(h: &Host) -> u64 {
 
 /// The running vm `name`, or a clear error.
 pub(crate) fn running(h: &Host, name: &str) -> crate::Result<(VmDir, VmRecord)> {
+    running_for(h, name, "do that")
+}
+
+/// The running vm `name`, or a conflict saying what it is instead and
+/// that only a running vm can do `doing`.
+pub fn running_for(h: &Host, name: &str, doing: &str) -> crate::Result<(VmDir, VmRecord)> {
     state::validate_name(name)?;
     let vm = VmDir::new(&h.home, name);
     let r = vm.read_record()?;
     match vm.state(&r) {
         VmState::Running => Ok((vm, r)),
         _ => Err(Error::conflict(format!(
-            "vm {name:?} is {}; only a running vm can do that",
+            "vm {name:?} is {}; only a running vm can {doing}",
             vm.not_running(&r)
         ))),
     }

@@ -257,15 +257,8 @@ async fn vm_runs(s: &Shared, name: &str, doing: &'static str) -> ApiResult<host:
     let st = s.clone();
     let n = name.to_string();
     blocking(move || {
-        let info = host::vm::info(&st.host, &n)?;
-        if info.state != host::state::VmState::Running {
-            return Err(host::Error::conflict(format!(
-                "vm {n:?} is {}{}: only a running vm can {doing}",
-                info.state,
-                info.exit.map(|e| format!(" ({e})")).unwrap_or_default()
-            )));
-        }
-        Ok(info)
+        host::vm::running_for(&st.host, &n, doing)?;
+        host::vm::info(&st.host, &n)
     })
     .await
 }
