@@ -15,6 +15,7 @@
 
 mod conns;
 mod crng;
+mod fs;
 mod proxy;
 mod quiesce;
 mod serve;

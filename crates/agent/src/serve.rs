@@ -133,6 +133,21 @@ fn serve<C: Connection>(conn: &mut C, settings: &Settings) -> Result<(), Protoco
         } => exec(conn, argv, env, cwd, stdin, timeout_ms),
         Message::ReadFile { path } => read_file(conn, Path::new(&path)),
         Message::WriteFile { path, mode } => write_file(conn, Path::new(&path), mode),
+        Message::Stat { path } => {
+            fs_answer(conn, &path, crate::fs::stat(Path::new(&path)), entries)
+        }
+        Message::ListDir { path, depth } => fs_answer(
+            conn,
+            &path,
+            crate::fs::list_dir(Path::new(&path), depth),
+            entries,
+        ),
+        Message::Remove { path } => {
+            fs_answer(conn, &path, crate::fs::remove(Path::new(&path)), done)
+        }
+        Message::MakeDir { path } => {
+            fs_answer(conn, &path, crate::fs::make_dir(Path::new(&path)), done)
+        }
         Message::Shutdown => {
             send(conn, Message::ShuttingDown)?;
             // Give the reply time to leave the guest before it powers off:
@@ -168,6 +183,27 @@ fn serve<C: Connection>(conn: &mut C, settings: &Settings) -> Result<(), Protoco
             ErrorKind::BadRequest,
             format!("{} is not a request", describe(&Frame::Message(m))),
         ),
+    }
+}
+
+fn entries(entries: Vec<protocol::Entry>) -> Message {
+    Message::Entries { entries }
+}
+
+fn done(changed: bool) -> Message {
+    Message::Done { changed }
+}
+
+/// Sends a file operation's answer, or its error naming the path.
+fn fs_answer<C: Write, T>(
+    conn: &mut C,
+    path: &str,
+    r: io::Result<T>,
+    answer: fn(T) -> Message,
+) -> Result<(), ProtocolError> {
+    match r {
+        Ok(v) => send(conn, answer(v)),
+        Err(e) => reply_error(conn, io_kind(&e), format!("{path}: {e}")),
     }
 }
 

@@ -523,6 +523,62 @@ pub fn wake<S: Read + Write>(
 }
 
 /// Reads one message frame; an `Error` reply becomes `ClientError::Agent`.
+/// Stat: one path, not followed.
+pub fn stat<S: Read + Write>(s: &mut S, path: &str) -> Result<crate::Entry, ClientError> {
+    let path = path.to_owned();
+    match entries(s, Message::Stat { path })?.pop() {
+        Some(e) => Ok(e),
+        None => Err(ClientError::Unexpected("Stat answered no entry".into())),
+    }
+}
+
+/// ListDir: the entries under `path`, `depth` levels down.
+pub fn list_dir<S: Read + Write>(
+    s: &mut S,
+    path: &str,
+    depth: u32,
+) -> Result<Vec<crate::Entry>, ClientError> {
+    let path = path.to_owned();
+    entries(s, Message::ListDir { path, depth })
+}
+
+fn entries<S: Read + Write>(s: &mut S, ask: Message) -> Result<Vec<crate::Entry>, ClientError> {
+    send(s, ask)?;
+    match read_message(s)? {
+        Message::Entries { entries } => Ok(entries),
+        m => Err(unexpected(m)),
+    }
+}
+
+/// Remove a path (a directory with everything under it); false when it
+/// did not exist.
+pub fn remove<S: Read + Write>(s: &mut S, path: &str) -> Result<bool, ClientError> {
+    done(
+        s,
+        Message::Remove {
+            path: path.to_owned(),
+        },
+    )
+}
+
+/// Create a directory and its parents; false when it already existed.
+pub fn make_dir<S: Read + Write>(s: &mut S, path: &str) -> Result<bool, ClientError> {
+    done(
+        s,
+        Message::MakeDir {
+            path: path.to_owned(),
+        },
+    )
+}
+
+fn done<S: Read + Write>(s: &mut S, ask: Message) -> Result<bool, ClientError> {
+    send(s, ask)?;
+    match read_message(s)? {
+        Message::Done { changed } => Ok(changed),
+        m => Err(unexpected(m)),
+    }
+}
+
 fn read_message<S: Read>(s: &mut S) -> Result<Message, ClientError> {
     match read_frame(s)? {
         Frame::Message(Message::Error { kind, message }) => {

@@ -156,6 +156,32 @@ pub enum Message {
     Written {
         bytes: u64,
     },
+    /// Describe one path (not followed if it is a symlink).
+    Stat {
+        path: String,
+    },
+    /// The entries under a directory, `depth` levels down (1: its children).
+    ListDir {
+        path: String,
+        depth: u32,
+    },
+    /// Remove a file, a symlink or a directory with everything under it.
+    Remove {
+        path: String,
+    },
+    /// Create a directory and its missing parents.
+    MakeDir {
+        path: String,
+    },
+    /// The answer to Stat (one entry) and ListDir.
+    Entries {
+        entries: Vec<Entry>,
+    },
+    /// The answer to Remove and MakeDir: `changed` is false when there was
+    /// nothing to do (MakeDir of an existing directory).
+    Done {
+        changed: bool,
+    },
     Shutdown,
     ShuttingDown,
     Quiesce {
@@ -169,6 +195,38 @@ pub enum Message {
         kind: ErrorKind,
         message: String,
     },
+}
+
+/// A path in the guest, as Stat and ListDir describe it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct Entry {
+    /// The last component of the path.
+    pub name: String,
+    /// The absolute path.
+    pub path: String,
+    pub kind: EntryKind,
+    pub size: u64,
+    /// Permission bits (`mode & 0o7777`).
+    pub mode: u32,
+    /// Last modification, milliseconds since the epoch.
+    pub mtime_ms: u64,
+    pub owner: String,
+    pub group: String,
+    /// Where a symlink points.
+    #[serde(default)]
+    pub target: Option<String>,
+}
+
+/// What kind of file an [`Entry`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
 }
 
 /// One frame.

@@ -307,6 +307,7 @@ where
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct FileQuery {
     /// Absolute path in the guest.
     pub path: String,
@@ -358,6 +359,126 @@ pub async fn read_file(
         bytes,
     )
         .into_response())
+}
+
+/// A path and how deep to list under it.
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// Absolute path in the guest.
+    pub path: String,
+    /// Levels below `path` (1: its children; at most 32).
+    #[serde(default)]
+    pub depth: Option<u32>,
+}
+
+/// What a Remove or MakeDir changed.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct FsChange {
+    pub path: String,
+    /// False when there was nothing to do (the path was absent, or the
+    /// directory existed).
+    pub changed: bool,
+}
+
+/// The agent's answer to a file operation, as the API's error: a missing
+/// path is 404, one the guest refuses (permission, not a directory) 400.
+fn fs_error(name: &str, path: &str, e: protocol::client::ClientError) -> host::Error {
+    use protocol::{client::ClientError, ErrorKind};
+    match e {
+        ClientError::Agent {
+            kind: ErrorKind::NotFound,
+            message,
+        } => host::Error::not_found(format!("{name}:{path}: {message}")),
+        ClientError::Agent {
+            kind: ErrorKind::Permission | ErrorKind::BadRequest | ErrorKind::Io,
+            message,
+        } => host::Error::invalid(format!("{name}:{path}: {message}")),
+        e => host::Error::failed(format!("{name}:{path}: {e}")),
+    }
+}
+
+/// Runs one file operation on a fresh agent connection.
+async fn fs_op<T: Send + 'static>(
+    s: &Shared,
+    name: String,
+    path: String,
+    op: impl FnOnce(
+            &mut std::os::unix::net::UnixStream,
+            &str,
+        ) -> Result<T, protocol::client::ClientError>
+        + Send
+        + 'static,
+) -> ApiResult<T> {
+    guest_path(&path)?;
+    let st = s.clone();
+    blocking(move || {
+        let mut conn = host::exec::connect(&st.host, &name)?;
+        op(&mut conn, &path).map_err(|e| fs_error(&name, &path, e))
+    })
+    .await
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/files/stat", tag = "agent",
+    params(("name" = String, Path), ListQuery),
+    responses((status = 200, body = protocol::Entry), (status = 404, body = ErrorBody)))]
+pub async fn stat_file(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> ApiResult<Json<protocol::Entry>> {
+    let e = fs_op(&s, name, q.path, protocol::client::stat).await?;
+    Ok(Json(e))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/files/list", tag = "agent",
+    params(("name" = String, Path), ListQuery),
+    responses((status = 200, body = Vec<protocol::Entry>), (status = 404, body = ErrorBody)))]
+pub async fn list_files(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> ApiResult<Json<Vec<protocol::Entry>>> {
+    let depth = q.depth.unwrap_or(1);
+    if !(1..=32).contains(&depth) {
+        return Err(ApiError::invalid(format!(
+            "depth {depth} is not between 1 and 32"
+        )));
+    }
+    let e = fs_op(&s, name, q.path, move |c, p| {
+        protocol::client::list_dir(c, p, depth)
+    })
+    .await?;
+    Ok(Json(e))
+}
+
+#[utoipa::path(delete, path = "/v1/vms/{name}/files", tag = "agent",
+    params(("name" = String, Path), ListQuery),
+    responses((status = 200, body = FsChange), (status = 400, body = ErrorBody)))]
+pub async fn remove_file(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> ApiResult<Json<FsChange>> {
+    if q.path.trim_end_matches('/').is_empty() {
+        return Err(ApiError::invalid("refusing to remove the guest's /"));
+    }
+    let path = q.path.clone();
+    let changed = fs_op(&s, name, q.path, protocol::client::remove).await?;
+    Ok(Json(FsChange { path, changed }))
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/files/dir", tag = "agent",
+    params(("name" = String, Path), ListQuery),
+    responses((status = 200, body = FsChange), (status = 400, body = ErrorBody)))]
+pub async fn make_dir(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> ApiResult<Json<FsChange>> {
+    let path = q.path.clone();
+    let changed = fs_op(&s, name, q.path, protocol::client::make_dir).await?;
+    Ok(Json(FsChange { path, changed }))
 }
 
 /// Largest upload accepted in one request.

@@ -50,8 +50,16 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/vms/{name}/attach", post(crate::agent_io::attach))
         .route(
             "/v1/vms/{name}/files",
-            get(crate::agent_io::read_file).put(crate::agent_io::write_file),
+            get(crate::agent_io::read_file)
+                .put(crate::agent_io::write_file)
+                .delete(crate::agent_io::remove_file),
         )
+        .route("/v1/vms/{name}/files/stat", get(crate::agent_io::stat_file))
+        .route(
+            "/v1/vms/{name}/files/list",
+            get(crate::agent_io::list_files),
+        )
+        .route("/v1/vms/{name}/files/dir", post(crate::agent_io::make_dir))
         .route(
             "/v1/vms/{name}/console",
             get(crate::agent_io::console).post(crate::agent_io::console_send),

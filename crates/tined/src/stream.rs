@@ -45,31 +45,48 @@ pub async fn operation_events(
         .get(&id)
         .ok_or_else(|| ApiError::not_found(format!("no operation {id:?} (see /v1/operations)")))?;
     let rx = op.subscribe();
-    // Progress at most every 100 ms; the final state always.
-    let stream = stream::unfold((rx, false), |(mut rx, done)| async move {
+    // The final state as soon as it is reached; progress at most every
+    // 100 ms (the pause comes after a progress event, never before the
+    // end, so a client waiting for a 5 ms operation waits 5 ms).
+    let stream = stream::unfold((rx, false, false), |(mut rx, done, throttle)| async move {
         if done {
+            return None;
+        }
+        if throttle {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let cur = rx.borrow_and_update().clone();
+        if cur.state != crate::ops::OpState::Running {
+            let data = serde_json::to_string(&cur).unwrap_or_default();
+            return Some((
+                Ok(Event::default().event("done").data(data)),
+                (rx, true, false),
+            ));
+        }
+        if throttle {
+            // Progress made during the pause.
+            let data = serde_json::to_string(&cur.progress).unwrap_or_default();
+            return Some((
+                Ok(Event::default().event("progress").data(data)),
+                (rx, false, false),
+            ));
+        }
+        if rx.changed().await.is_err() {
             return None;
         }
         let cur = rx.borrow_and_update().clone();
         if cur.state != crate::ops::OpState::Running {
             let data = serde_json::to_string(&cur).unwrap_or_default();
-            return Some((Ok(Event::default().event("done").data(data)), (rx, true)));
+            return Some((
+                Ok(Event::default().event("done").data(data)),
+                (rx, true, false),
+            ));
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        if rx.changed().await.is_err() {
-            return None;
-        }
-        let cur = rx.borrow().clone();
-        let (event, data) = if cur.state == crate::ops::OpState::Running {
-            (
-                "progress",
-                serde_json::to_string(&cur.progress).unwrap_or_default(),
-            )
-        } else {
-            ("done", serde_json::to_string(&cur).unwrap_or_default())
-        };
-        let finished = event == "done";
-        Some((Ok(Event::default().event(event).data(data)), (rx, finished)))
+        let data = serde_json::to_string(&cur.progress).unwrap_or_default();
+        Some((
+            Ok(Event::default().event("progress").data(data)),
+            (rx, false, true),
+        ))
     })
     .boxed();
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
