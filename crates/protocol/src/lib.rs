@@ -357,6 +357,24 @@ mod tests {
             }),
             Frame::Data(Stream::Stdout, b"hello\0world".to_vec()),
             Frame::Data(Stream::File, Vec::new()),
+            Frame::Message(Message::ListDir {
+                path: "/tmp".into(),
+                depth: 2,
+            }),
+            Frame::Message(Message::Entries {
+                entries: vec![Entry {
+                    name: "l".into(),
+                    path: "/tmp/l".into(),
+                    kind: EntryKind::Symlink,
+                    size: 1,
+                    mode: 0o777,
+                    mtime_ms: 5,
+                    owner: "root".into(),
+                    group: "0".into(),
+                    target: Some("f".into()),
+                }],
+            }),
+            Frame::Message(Message::Done { changed: false }),
         ];
         let mut wire = Vec::new();
         for f in &frames {
