@@ -48,44 +48,35 @@ pub async fn operation_events(
     // The final state as soon as it is reached; progress at most every
     // 100 ms (the pause comes after a progress event, never before the
     // end, so a client waiting for a 5 ms operation waits 5 ms).
-    let stream = stream::unfold((rx, false, false), |(mut rx, done, throttle)| async move {
-        if done {
-            return None;
-        }
-        if throttle {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let cur = rx.borrow_and_update().clone();
-        if cur.state != crate::ops::OpState::Running {
-            let data = serde_json::to_string(&cur).unwrap_or_default();
-            return Some((
-                Ok(Event::default().event("done").data(data)),
-                (rx, true, false),
-            ));
-        }
-        if throttle {
-            // Progress made during the pause.
-            let data = serde_json::to_string(&cur.progress).unwrap_or_default();
-            return Some((
-                Ok(Event::default().event("progress").data(data)),
-                (rx, false, false),
-            ));
-        }
-        if rx.changed().await.is_err() {
-            return None;
+    #[derive(Clone, Copy, PartialEq)]
+    enum Next {
+        /// Read the state now (the first event).
+        Look,
+        /// Wait for the state to change.
+        Change,
+        /// Pause after a progress event, then read.
+        Pause,
+    }
+    let stream = stream::unfold((rx, Some(Next::Look)), |(mut rx, next)| async move {
+        match next? {
+            Next::Look => {}
+            Next::Change => rx.changed().await.ok()?,
+            Next::Pause => tokio::time::sleep(Duration::from_millis(100)).await,
         }
         let cur = rx.borrow_and_update().clone();
         if cur.state != crate::ops::OpState::Running {
             let data = serde_json::to_string(&cur).unwrap_or_default();
-            return Some((
-                Ok(Event::default().event("done").data(data)),
-                (rx, true, false),
-            ));
+            return Some((Ok(Event::default().event("done").data(data)), (rx, None)));
         }
         let data = serde_json::to_string(&cur.progress).unwrap_or_default();
+        let then = if next == Some(Next::Change) {
+            Next::Pause
+        } else {
+            Next::Change
+        };
         Some((
             Ok(Event::default().event("progress").data(data)),
-            (rx, false, true),
+            (rx, Some(then)),
         ))
     })
     .boxed();
