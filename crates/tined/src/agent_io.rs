@@ -130,6 +130,52 @@ impl Write for ChanWriter {
     }
 }
 
+/// Runs a command and sends its output as events as it comes, the exit
+/// (or the failure) last: the streamed exec, and E2B's Process.Start.
+pub(crate) async fn exec_events(
+    s: &Shared,
+    name: String,
+    spec: &ExecSpec,
+) -> ApiResult<tokio::sync::mpsc::Receiver<ExecEvent>> {
+    let (req, stdin) = request(spec)?;
+    let st = s.clone();
+    let n = name.clone();
+    let conn = blocking(move || host::exec::connect(&st.host, &n)).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<ExecEvent>(64);
+    tokio::task::spawn_blocking(move || {
+        let mut conn = conn;
+        let out = ChanWriter {
+            tx: tx.clone(),
+            stderr: false,
+        };
+        let err = ChanWriter {
+            tx: tx.clone(),
+            stderr: true,
+        };
+        let ev = match protocol::client::exec(
+            &mut conn,
+            req,
+            Some(std::io::Cursor::new(stdin)),
+            out,
+            err,
+        ) {
+            Ok(info) => ExecEvent::Exit {
+                exit_code: info.exit_code(),
+                signal: info.signal,
+                timed_out: info.timed_out,
+            },
+            Err(e) => ExecEvent::Error {
+                error: ErrorBody {
+                    code: "failed".into(),
+                    message: format!("exec in vm {name:?} failed: {e}"),
+                },
+            },
+        };
+        let _ = tx.blocking_send(ev);
+    });
+    Ok(rx)
+}
+
 #[utoipa::path(post, path = "/v1/vms/{name}/exec", tag = "agent", request_body = ExecSpec,
     params(("name" = String, Path)),
     responses((status = 200, body = ExecResult,
@@ -141,47 +187,12 @@ pub async fn exec(
     headers: HeaderMap,
     JsonBody(spec): JsonBody<ExecSpec>,
 ) -> ApiResult<Response> {
-    let (req, stdin) = request(&spec)?;
-    let st = s.clone();
-    let n = name.clone();
-    let conn = blocking(move || host::exec::connect(&st.host, &n)).await?;
     let streamed = headers
         .get(axum::http::header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/x-ndjson"));
     if streamed {
-        let (tx, rx) = tokio::sync::mpsc::channel::<ExecEvent>(64);
-        tokio::task::spawn_blocking(move || {
-            let mut conn = conn;
-            let out = ChanWriter {
-                tx: tx.clone(),
-                stderr: false,
-            };
-            let err = ChanWriter {
-                tx: tx.clone(),
-                stderr: true,
-            };
-            let ev = match protocol::client::exec(
-                &mut conn,
-                req,
-                Some(std::io::Cursor::new(stdin)),
-                out,
-                err,
-            ) {
-                Ok(info) => ExecEvent::Exit {
-                    exit_code: info.exit_code(),
-                    signal: info.signal,
-                    timed_out: info.timed_out,
-                },
-                Err(e) => ExecEvent::Error {
-                    error: ErrorBody {
-                        code: "failed".into(),
-                        message: format!("exec in vm {name:?} failed: {e}"),
-                    },
-                },
-            };
-            let _ = tx.blocking_send(ev);
-        });
+        let rx = exec_events(&s, name, &spec).await?;
         let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(|ev| {
             let mut line = serde_json::to_vec(&ev).unwrap_or_default();
             line.push(b'\n');
@@ -193,6 +204,9 @@ pub async fn exec(
         )
             .into_response());
     }
+    let (req, stdin) = request(&spec)?;
+    let st = s.clone();
+    let conn = blocking(move || host::exec::connect(&st.host, &name)).await?;
     let res = tokio::task::spawn_blocking(move || {
         let mut conn = conn;
         let mut out = Vec::new();

@@ -6,6 +6,7 @@
 
 pub mod agent_io;
 pub mod app;
+pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod idem;

@@ -83,6 +83,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/events", get(crate::stream::events))
         .route("/v1/openapi.json", get(crate::openapi::serve))
         .route("/metrics", get(metrics))
+        .merge(crate::e2b::routes())
         .fallback(not_found)
         .layer(axum::middleware::from_fn(json_errors))
         .layer(axum::middleware::from_fn_with_state(

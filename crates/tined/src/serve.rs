@@ -140,21 +140,25 @@ async fn connection<S>(
 
 /// Constant-time comparison of the bearer token (the scheme's name is
 /// case-insensitive, RFC 7235).
+/// Whether a request carries the token: `Authorization: Bearer TOKEN`, or
+/// E2B's headers for it (`X-API-Key` to the control API, `X-Access-Token`
+/// to envd: the e2b SDK sends the key it was given and the access token
+/// POST /sandboxes answered, which is this token).
 fn authorized(headers: &axum::http::HeaderMap, token: &str) -> bool {
-    let Some(v) = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let bearer = header("authorization")
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, t)| t.trim())
-    else {
-        return false;
-    };
-    let (a, b) = (v.as_bytes(), token.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        .map(|(_, t)| t.trim());
+    [bearer, header("x-api-key"), header("x-access-token")]
+        .into_iter()
+        .flatten()
+        .any(|v| same(v.as_bytes(), token.as_bytes()))
+}
+
+/// Compares in time independent of where the first difference is.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Binds the Unix socket at `path` with mode 0600 (a stale socket of a

@@ -2,7 +2,9 @@
 link to the built image cache (scripts/test builds them)."""
 
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -35,8 +37,16 @@ class Daemon:
         self.home = Path(tempfile.mkdtemp(prefix="tine-sdk-"))
         (self.home / "images").symlink_to(_image_cache())
         self.log = open(self.home / "tined.test.log", "wb")
+        # A TCP listener too, for the e2b SDK (E2B_API_URL, E2B_SANDBOX_URL).
+        self.token = secrets.token_hex(16)
+        (self.home / "token").write_text(self.token)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [str(_binary("tined")), "--home", str(self.home), "--idle-exit", "0"],
+            [str(_binary("tined")), "--home", str(self.home), "--idle-exit", "0",
+             "--tcp", f"127.0.0.1:{self.port}", "--token-file", str(self.home / "token")],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
