@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from urllib.parse import quote
 
-import httpx
-
 from . import errors, models
 
 #: Answers of long operations (sleep, wake, snapshot) are awaited this long.
@@ -88,8 +86,9 @@ class Call:
     raw: bool = False
 
 
-def answer(call: Call, res: httpx.Response) -> Any:
-    """The parsed answer of `call`, or its typed exception."""
+def answer(call: Call, res: Any) -> Any:
+    """The parsed answer of `call` (`res`: an `_http.Response` or an
+    `httpx.Response`), or its typed exception."""
     if res.status_code >= 400:
         try:
             body = res.json()
