@@ -16,20 +16,18 @@ def parse(cls: Type[T], data: Any) -> T:
     """`cls` from a JSON object: known fields only, nested models parsed."""
     if not isinstance(data, dict):
         raise TypeError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
-    kw = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in data:
-            kw[f.name] = _nested(cls, f.name, data[f.name])
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    kw = {k: data[k] for k in names if k in data}
+    for k, inner in _NESTED.get(cls.__name__, ()):
+        if kw.get(k) is not None:
+            v = kw[k]
+            kw[k] = [parse(inner, x) for x in v] if isinstance(v, list) else parse(inner, v)
     return cls(**kw)
 
 
-def _nested(cls: type, name: str, value: Any) -> Any:
-    inner = _NESTED.get((cls.__name__, name))
-    if inner is None or value is None:
-        return value
-    if isinstance(value, list):
-        return [parse(inner, v) for v in value]
-    return parse(inner, value)
+_FIELDS: Dict[type, tuple] = {}
 
 
 @dataclass
@@ -219,9 +217,10 @@ class Health:
     engine_calls_running: Optional[int] = None
 
 
-_NESTED: Dict[tuple, type] = {
-    ("ForkReport", "results"): ChildResult,
-    ("Lineage", "nodes"): Node,
+# Model name → its fields that hold models.
+_NESTED: Dict[str, tuple] = {
+    "ForkReport": (("results", ChildResult),),
+    "Lineage": (("nodes", Node),),
 }
 
 # Model → its schema in the OpenAPI document (tests/test_models.py).
