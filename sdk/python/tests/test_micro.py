@@ -2,7 +2,9 @@
 host's KVM (fast): run, fork, checkpoint/rollback, sleep/wake, tree,
 typed errors, context managers, and the same through asyncio."""
 
+import asyncio
 import re
+import subprocess
 import time
 
 import pytest
@@ -128,3 +130,71 @@ async def test_async_client(at):
                 assert (await w.info()).state == "running"
         with pytest.raises(tine.NotFound):
             await at.vm("nope").info()
+
+
+def test_tcp_listener_with_token(daemon):
+    with tine.Tine(url=daemon.url, token=daemon.token) as t:
+        assert t.health().ok and isinstance(t.vms(), list)
+    with pytest.raises(tine.Unauthorized):
+        tine.Tine(url=daemon.url, token="wrong").health()
+    with pytest.raises(tine.Unavailable):
+        tine.Tine(url="http://127.0.0.1:1").health()
+
+
+async def test_async_tcp_listener_with_token(daemon):
+    async with tine.AsyncTine(url=daemon.url, token=daemon.token) as t:
+        assert (await t.health()).ok
+    with pytest.raises(tine.Unauthorized):
+        await tine.AsyncTine(url=daemon.url, token="wrong").health()
+
+
+def test_a_restarted_tined_is_found_again(tmp_path):
+    """Kept-alive connections to a tined that went away are replaced."""
+    from conftest import _binary, _image_cache
+
+    (tmp_path / "images").symlink_to(_image_cache())
+    sock = str(tmp_path / "tined.sock")
+
+    def start():
+        p = subprocess.Popen([str(_binary("tined")), "--home", str(tmp_path), "--idle-exit", "0"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                tine.Tine(socket=sock).health()
+                return p
+            except tine.Unavailable:
+                assert p.poll() is None and time.monotonic() < deadline, "tined did not start"
+                time.sleep(0.05)
+
+    p = start()
+    t = tine.Tine(socket=sock)
+    at = tine.AsyncTine(socket=sock)
+    try:
+        first = t.health().pid
+        assert asyncio.run(at.health()).pid == first
+        p.terminate()
+        p.wait(30)
+        with pytest.raises(tine.Unavailable):
+            t.health()
+        p = start()
+        assert t.health().pid == p.pid != first
+        with pytest.raises(tine.NotFound):
+            t.vm("none").info()
+        p.terminate()
+        p.wait(30)
+        p = start()
+        # A POST on the connection tined closed when it stopped.
+        with pytest.raises(tine.NotFound):
+            t.vm("none").stop()
+
+        async def again():
+            assert (await at.health()).pid == p.pid
+            with pytest.raises(tine.NotFound):
+                await at.vm("none").kill()
+
+        asyncio.run(again())
+    finally:
+        t.close()
+        p.terminate()
+        p.wait(30)
