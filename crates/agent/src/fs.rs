@@ -153,6 +153,17 @@ pub fn remove(path: &Path) -> io::Result<bool> {
     Ok(true)
 }
 
+/// Moves `from` to `to` (within one filesystem, as rename(2); `to`'s
+/// parent directories are made). Always a change.
+pub fn rename(from: &Path, to: &Path) -> io::Result<bool> {
+    fs::symlink_metadata(from)?;
+    if let Some(parent) = to.parent() {
+        fs::create_dir_all(parent)?;
+    }
+    fs::rename(from, to)?;
+    Ok(true)
+}
+
 /// Creates a directory and its parents; false when it already existed.
 pub fn make_dir(path: &Path) -> io::Result<bool> {
     match fs::metadata(path) {
@@ -179,6 +190,10 @@ mod tests {
         let _ = fs::remove_dir_all(&d);
         assert!(make_dir(&d.join("a/b")).expect("fs op"));
         assert!(!make_dir(&d.join("a/b")).expect("fs op"));
+        fs::write(d.join("a/m"), b"m").expect("fs op");
+        assert!(rename(&d.join("a/m"), &d.join("c/d/m")).expect("rename"));
+        assert_eq!(fs::read(d.join("c/d/m")).expect("moved"), b"m");
+        assert!(rename(&d.join("a/m"), &d.join("x")).is_err());
         fs::write(d.join("a/f"), b"xyz").expect("fs op");
         std::os::unix::fs::symlink("f", d.join("a/l")).expect("fs op");
         let one = list_dir(&d.join("a"), 1).expect("fs op");

@@ -16,6 +16,7 @@
 mod conns;
 mod crng;
 mod fs;
+mod jobs;
 mod proxy;
 mod quiesce;
 mod serve;

@@ -5,14 +5,12 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, PoisonError};
 use std::time::Duration;
 
-use crate::{quiesce, wake};
+use crate::{jobs, quiesce, wake};
 use protocol::{
     read_frame, send, write_frame, Connection, ErrorKind, Frame, Hello, Message, ProtocolError,
     Stream, MAX_CHUNK, PROTOCOL_VERSION,
@@ -130,7 +128,26 @@ fn serve<C: Connection>(conn: &mut C, settings: &Settings) -> Result<(), Protoco
             cwd,
             stdin,
             timeout_ms,
-        } => exec(conn, argv, env, cwd, stdin, timeout_ms),
+            keep,
+            tag,
+            user,
+        } => jobs::exec(
+            conn,
+            jobs::Spec {
+                argv,
+                env,
+                cwd,
+                stdin,
+                timeout_ms,
+                keep,
+                tag,
+                user,
+            },
+        ),
+        Message::Attach { process } => jobs::attach(conn, &process),
+        Message::Signal { process, signal } => jobs::signal(conn, &process, signal),
+        Message::Input { process, close } => jobs::input(conn, &process, close),
+        Message::ListProcesses => jobs::list(conn),
         Message::ReadFile { path } => read_file(conn, Path::new(&path)),
         Message::WriteFile { path, mode } => write_file(conn, Path::new(&path), mode),
         Message::Stat { path } => {
@@ -145,6 +162,12 @@ fn serve<C: Connection>(conn: &mut C, settings: &Settings) -> Result<(), Protoco
         Message::Remove { path } => {
             fs_answer(conn, &path, crate::fs::remove(Path::new(&path)), done)
         }
+        Message::Rename { from, to } => fs_answer(
+            conn,
+            &from,
+            crate::fs::rename(Path::new(&from), Path::new(&to)),
+            done,
+        ),
         Message::MakeDir { path } => {
             fs_answer(conn, &path, crate::fs::make_dir(Path::new(&path)), done)
         }
@@ -207,7 +230,7 @@ fn fs_answer<C: Write, T>(
     }
 }
 
-fn describe(f: &Frame) -> String {
+pub(crate) fn describe(f: &Frame) -> String {
     match f {
         Frame::Data(s, _) => format!("data on stream {s:?}"),
         Frame::Message(m) => {
@@ -271,238 +294,6 @@ fn io_kind(e: &io::Error) -> ErrorKind {
         io::ErrorKind::NotFound => ErrorKind::NotFound,
         io::ErrorKind::PermissionDenied => ErrorKind::Permission,
         _ => ErrorKind::Io,
-    }
-}
-
-/// Kills a command's process group while its exec is in progress.
-struct Killer {
-    pgid: libc::pid_t,
-    /// False once the exec finished: the group may be gone and its id reused.
-    live: Mutex<bool>,
-}
-
-impl Killer {
-    fn kill(&self) {
-        let live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
-        if *live {
-            // SAFETY: killpg(2) on the group this exec created; `live`
-            // guarantees we have not finished with it.
-            unsafe { libc::killpg(self.pgid, libc::SIGKILL) };
-        }
-    }
-
-    fn finish(&self) {
-        *self.live.lock().unwrap_or_else(PoisonError::into_inner) = false;
-    }
-}
-
-fn exec<C: Connection>(
-    conn: &mut C,
-    argv: Vec<String>,
-    env: Vec<(String, String)>,
-    cwd: Option<String>,
-    stdin: bool,
-    timeout_ms: Option<u64>,
-) -> Result<(), ProtocolError> {
-    let Some((prog, args)) = argv.split_first() else {
-        return reply_error(conn, ErrorKind::BadRequest, "exec: empty argv".into());
-    };
-    let mut cmd = Command::new(prog);
-    cmd.args(args)
-        .envs(env)
-        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own process group, so a timeout or a lost host kills
-        // everything it started.
-        .process_group(0);
-    if let Some(procs) = quiesce::workload_procs() {
-        // Join the workload cgroup, so a command started while the guest
-        // is quiesced waits for the thaw like everything else.
-        // SAFETY: the closure only calls open/write/close (async-signal
-        // safe) on a path made before the fork; it allocates nothing.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd >= 0 {
-                    // Failing leaves it where the agent is: not frozen, but
-                    // running, which beats not running it at all.
-                    let _ = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                }
-                Ok(())
-            })
-        };
-    }
-    if let Some(cwd) = &cwd {
-        cmd.current_dir(cwd);
-    }
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let where_ = cwd.map(|d| format!(" in {d}")).unwrap_or_default();
-            return reply_error(
-                conn,
-                ErrorKind::Spawn,
-                format!("cannot run {prog}{where_}: {e}"),
-            );
-        }
-    };
-    let pid = child.id();
-    let killer = Arc::new(Killer {
-        pgid: pid as libc::pid_t,
-        live: Mutex::new(true),
-    });
-    let clones = (|| Ok::<_, io::Error>((conn.try_clone()?, conn.try_clone()?)))();
-    let (writer, reader) = match clones {
-        Ok(c) => c,
-        Err(e) => {
-            killer.kill();
-            let _ = child.wait();
-            return Err(e.into());
-        }
-    };
-    let writer = Arc::new(Mutex::new(writer));
-    let started = send(
-        &mut *writer.lock().unwrap_or_else(PoisonError::into_inner),
-        Message::Started { pid },
-    );
-    if let Err(e) = started {
-        killer.kill();
-        let _ = child.wait();
-        return Err(e);
-    }
-
-    let mut pumps = Vec::new();
-    for (out, stream) in [
-        (
-            child
-                .stdout
-                .take()
-                .map(|o| Box::new(o) as Box<dyn Read + Send>),
-            Stream::Stdout,
-        ),
-        (
-            child
-                .stderr
-                .take()
-                .map(|o| Box::new(o) as Box<dyn Read + Send>),
-            Stream::Stderr,
-        ),
-    ] {
-        if let Some(out) = out {
-            let (w, k) = (writer.clone(), killer.clone());
-            pumps.push(std::thread::spawn(move || pump_output(out, stream, &w, &k)));
-        }
-    }
-    {
-        let (w, k, input) = (writer.clone(), killer.clone(), child.stdin.take());
-        std::thread::spawn(move || pump_input(reader, input, &w, &k));
-    }
-    let timed_out = Arc::new(AtomicBool::new(false));
-    let (cancel, cancelled) = mpsc::channel::<()>();
-    if let Some(ms) = timeout_ms {
-        let (k, t) = (killer.clone(), timed_out.clone());
-        std::thread::spawn(move || {
-            if let Err(mpsc::RecvTimeoutError::Timeout) =
-                cancelled.recv_timeout(Duration::from_millis(ms))
-            {
-                t.store(true, Ordering::SeqCst);
-                k.kill();
-            }
-        });
-    }
-
-    let status = child.wait();
-    // Output ends when every process holding the pipes is gone (ssh's
-    // semantics for background children); a timeout or a lost host still
-    // kills the whole group meanwhile.
-    for p in pumps {
-        let _ = p.join();
-    }
-    killer.finish();
-    drop(cancel);
-    let status = status?;
-    let timed_out = timed_out.load(Ordering::SeqCst);
-    let mut w = writer.lock().unwrap_or_else(PoisonError::into_inner);
-    send(
-        &mut *w,
-        Message::Exited {
-            code: status.code(),
-            signal: status.signal(),
-            timed_out,
-        },
-    )
-}
-
-/// Streams one output pipe of the command as Data frames.
-fn pump_output<C: Write>(
-    mut out: Box<dyn Read + Send>,
-    stream: Stream,
-    writer: &Mutex<C>,
-    killer: &Killer,
-) {
-    let mut buf = vec![0u8; MAX_CHUNK];
-    loop {
-        let n = match out.read(&mut buf) {
-            Ok(0) => return,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => return,
-        };
-        let mut w = writer.lock().unwrap_or_else(PoisonError::into_inner);
-        if write_frame(&mut *w, &Frame::Data(stream, buf[..n].to_vec())).is_err() {
-            // The host is gone: no orphans.
-            drop(w);
-            killer.kill();
-            return;
-        }
-    }
-}
-
-/// Reads the host's side of an exec: stdin data, or the connection going
-/// away (which kills the command).
-fn pump_input<C: Connection>(
-    mut reader: C,
-    mut stdin: Option<std::process::ChildStdin>,
-    writer: &Mutex<C>,
-    killer: &Killer,
-) {
-    loop {
-        match read_frame(&mut reader) {
-            Ok(Frame::Data(Stream::Stdin, bytes)) => {
-                if let Some(s) = &mut stdin {
-                    if s.write_all(&bytes).is_err() {
-                        // The command closed its stdin; drop the rest.
-                        stdin = None;
-                    }
-                }
-            }
-            Ok(Frame::Message(Message::Eof {
-                stream: Stream::Stdin,
-            })) => stdin = None,
-            Err(ProtocolError::Io(_) | ProtocolError::Closed) => {
-                killer.kill();
-                return;
-            }
-            Ok(f) => {
-                let mut w = writer.lock().unwrap_or_else(PoisonError::into_inner);
-                let msg = format!("unexpected {} during exec", describe(&f));
-                let _ = reply_error(&mut *w, ErrorKind::BadRequest, msg);
-                let _ = w.shutdown(Shutdown::Both);
-                drop(w);
-                killer.kill();
-                return;
-            }
-            Err(e) => {
-                let mut w = writer.lock().unwrap_or_else(PoisonError::into_inner);
-                let _ = bad_frame(&mut *w, e);
-                let _ = w.shutdown(Shutdown::Both);
-                drop(w);
-                killer.kill();
-                return;
-            }
-        }
     }
 }
 

@@ -475,6 +475,9 @@ fn start_and_drop(a: &Agent, script: &str, with_stdin: bool) -> (u32, u32) {
             cwd: None,
             stdin: with_stdin,
             timeout_ms: None,
+            keep: false,
+            tag: None,
+            user: None,
         },
     )
     .expect("send");
@@ -504,6 +507,241 @@ fn wait_gone(pids: &[u32]) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Starts a kept command and returns its connection once it printed its
+/// first line.
+fn start_kept(a: &Agent, script: &str, tag: &str, stdin: bool) -> (UnixStream, u32) {
+    let mut s = a.conn();
+    send(
+        &mut s,
+        Message::Exec {
+            argv: vec!["sh".into(), "-c".into(), script.into()],
+            env: vec![],
+            cwd: None,
+            stdin,
+            timeout_ms: None,
+            keep: true,
+            tag: Some(tag.into()),
+            user: None,
+        },
+    )
+    .expect("send");
+    let pid = match read_frame(&mut s) {
+        Ok(Frame::Message(Message::Started { pid })) => pid,
+        r => panic!("{r:?}"),
+    };
+    (s, pid)
+}
+
+/// Reads stdout frames until `want` appeared.
+fn read_until(s: &mut UnixStream, want: &str) -> String {
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains(want) {
+        match read_frame(s) {
+            Ok(Frame::Data(protocol::Stream::Stdout, b)) => got.extend_from_slice(&b),
+            r => panic!("{r:?} after {:?}", String::from_utf8_lossy(&got)),
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[test]
+fn test_kept_command_outlives_its_connection_and_is_driven_later() {
+    let mut a = Agent::start();
+    let (mut s, pid) = start_kept(
+        &a,
+        "echo up; while read l; do echo got:$l; done; echo bye",
+        "worker",
+        true,
+    );
+    read_until(&mut s, "up");
+    drop(s);
+    // Still running, listed, and followed again by tag.
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(pid_alive(pid));
+    let procs = protocol::list_processes(&mut a.conn()).expect("list");
+    let p = procs.iter().find(|p| p.pid == pid).expect("listed");
+    assert_eq!(p.tag.as_deref(), Some("worker"));
+    assert!(p.keep && p.stdin);
+    // A second command with the same tag is refused while it runs.
+    let mut s2 = a.conn();
+    let dup = protocol::exec(
+        &mut s2,
+        ExecRequest {
+            keep: true,
+            tag: Some("worker".into()),
+            ..ExecRequest::new(["true"])
+        },
+        None::<io::Empty>,
+        io::sink(),
+        io::sink(),
+    );
+    assert!(
+        matches!(&dup, Err(ClientError::Agent { kind: ErrorKind::BadRequest, message }) if message.contains("worker")),
+        "{dup:?}"
+    );
+    // Input goes in once the follower is there (it sees output from then on).
+    let (ready, attached) = std::sync::mpsc::channel();
+    let follower = {
+        let sock = a.sock.clone();
+        std::thread::spawn(move || {
+            let mut c = UnixStream::connect(&sock).expect("connect");
+            protocol::hello(&mut c).expect("hello");
+            let mut out = Vec::new();
+            let mut seen = 0;
+            let exit = protocol::attach(
+                &mut c,
+                protocol::ProcessRef::Tag("worker".into()),
+                |p| {
+                    seen = p;
+                    let _ = ready.send(());
+                },
+                &mut out,
+                io::sink(),
+            )
+            .expect("attach");
+            (seen, exit, String::from_utf8_lossy(&out).into_owned())
+        })
+    };
+    attached
+        .recv_timeout(Duration::from_secs(5))
+        .expect("attached");
+    protocol::input(
+        &mut a.conn(),
+        protocol::ProcessRef::Pid(pid),
+        b"one\ntwo\n",
+        true,
+    )
+    .expect("input");
+    let (seen, exit, out) = follower.join().expect("follower");
+    assert_eq!(seen, pid);
+    assert_eq!(exit.code, Some(0));
+    assert_eq!(out, "got:one\ngot:two\nbye\n");
+    // Gone from the table; driving it now says so.
+    assert!(protocol::list_processes(&mut a.conn())
+        .expect("list")
+        .iter()
+        .all(|p| p.pid != pid));
+    let gone = protocol::signal(&mut a.conn(), protocol::ProcessRef::Pid(pid), 15);
+    assert!(
+        matches!(
+            gone,
+            Err(ClientError::Agent {
+                kind: ErrorKind::NotFound,
+                ..
+            })
+        ),
+        "{gone:?}"
+    );
+    let gone = protocol::input(&mut a.conn(), protocol::ProcessRef::Pid(pid), b"x", false);
+    assert!(
+        matches!(
+            gone,
+            Err(ClientError::Agent {
+                kind: ErrorKind::NotFound,
+                ..
+            })
+        ),
+        "{gone:?}"
+    );
+    a.assert_serving();
+}
+
+#[test]
+fn test_kept_command_signalled_and_input_refused_without_stdin() {
+    let mut a = Agent::start();
+    let (mut s, pid) = start_kept(&a, "echo up; sleep 30 & wait", "sleeper", false);
+    read_until(&mut s, "up");
+    let no = protocol::input(
+        &mut a.conn(),
+        protocol::ProcessRef::Tag("sleeper".into()),
+        b"x",
+        false,
+    );
+    assert!(
+        matches!(&no, Err(ClientError::Agent { kind: ErrorKind::BadRequest, message }) if message.contains("without stdin")),
+        "{no:?}"
+    );
+    let bad = protocol::signal(&mut a.conn(), protocol::ProcessRef::Pid(pid), 99);
+    assert!(
+        matches!(
+            bad,
+            Err(ClientError::Agent {
+                kind: ErrorKind::BadRequest,
+                ..
+            })
+        ),
+        "{bad:?}"
+    );
+    assert!(protocol::signal(&mut a.conn(), protocol::ProcessRef::Pid(pid), 9).expect("kill"));
+    // The connection that started it sees the end.
+    let end = loop {
+        match read_frame(&mut s) {
+            Ok(Frame::Message(m @ Message::Exited { .. })) => break m,
+            Ok(Frame::Data(..)) => {}
+            r => panic!("{r:?}"),
+        }
+    };
+    assert!(
+        matches!(
+            end,
+            Message::Exited {
+                signal: Some(9),
+                ..
+            }
+        ),
+        "{end:?}"
+    );
+    wait_gone(&[pid]);
+    // Attach to a command that is not there.
+    let none = protocol::attach(
+        &mut a.conn(),
+        protocol::ProcessRef::Pid(pid),
+        |_| {},
+        io::sink(),
+        io::sink(),
+    );
+    assert!(
+        matches!(
+            none,
+            Err(ClientError::Agent {
+                kind: ErrorKind::NotFound,
+                ..
+            })
+        ),
+        "{none:?}"
+    );
+    a.assert_serving();
+}
+
+#[test]
+fn test_exec_as_user() {
+    let a = Agent::start();
+    let (exit, out, _) = a.exec(
+        ExecRequest {
+            user: Some("nobody".into()),
+            ..ExecRequest::new(["sh", "-c", "id -u; echo $USER"])
+        },
+        None,
+    );
+    assert_eq!(exit.code, Some(0));
+    assert_eq!(String::from_utf8_lossy(&out), "65534\nnobody\n");
+    let mut c = a.conn();
+    let e = protocol::exec(
+        &mut c,
+        ExecRequest {
+            user: Some("no-such-user".into()),
+            ..ExecRequest::new(["true"])
+        },
+        None::<io::Empty>,
+        io::sink(),
+        io::sink(),
+    );
+    assert!(
+        matches!(&e, Err(ClientError::Agent { kind: ErrorKind::Spawn, message }) if message.contains("no-such-user")),
+        "{e:?}"
+    );
 }
 
 #[test]

@@ -69,6 +69,7 @@ pub fn exec(c: &Client, args: ExecArgs) -> anyhow::Result<ExitCode> {
         env,
         cwd: args.cwd,
         timeout,
+        ..ExecRequest::default()
     };
     let mut conn = c.attach(&args.name)?;
     let stdin = wants_stdin.then(std::io::stdin);

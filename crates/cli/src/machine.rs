@@ -707,6 +707,7 @@ pub fn exec_inside(
         env: env.to_vec(),
         cwd,
         timeout: None,
+        ..ExecRequest::default()
     };
     let exit = protocol::exec(&mut s, req, stdin, stdout, io::stderr())
         .context("running the command inside the machine")?;

@@ -118,6 +118,15 @@ pub struct ExecRequest {
     pub cwd: Option<String>,
     /// SIGKILL the command (its whole process group) after this long.
     pub timeout: Option<Duration>,
+    /// The command outlives this connection (`Message::Exec`'s `keep`).
+    pub keep: bool,
+    /// A name to find it by later.
+    pub tag: Option<String>,
+    /// The guest user it runs as (default: the agent's, root).
+    pub user: Option<String>,
+    /// Give the command a stdin pipe even when `exec` is given no input:
+    /// it stays open for [`input`] requests (a kept command's).
+    pub open_stdin: bool,
 }
 
 impl ExecRequest {
@@ -295,8 +304,25 @@ pub fn exec<S, R>(
     s: &mut S,
     req: ExecRequest,
     stdin: Option<R>,
-    mut stdout: impl Write,
-    mut stderr: impl Write,
+    stdout: impl Write,
+    stderr: impl Write,
+) -> Result<ExitInfo, ClientError>
+where
+    S: Connection,
+    R: Read + Send + 'static,
+{
+    exec_with(s, req, stdin, |_| {}, stdout, stderr)
+}
+
+/// [`exec`], telling `on_start` the command's pid in the guest once it
+/// started (before any output).
+pub fn exec_with<S, R>(
+    s: &mut S,
+    req: ExecRequest,
+    stdin: Option<R>,
+    on_start: impl FnOnce(u32),
+    stdout: impl Write,
+    stderr: impl Write,
 ) -> Result<ExitInfo, ClientError>
 where
     S: Connection,
@@ -311,18 +337,15 @@ where
             argv: req.argv,
             env: req.env,
             cwd: req.cwd,
-            stdin: stdin.is_some(),
+            stdin: stdin.is_some() || req.open_stdin,
             timeout_ms,
+            keep: req.keep,
+            tag: req.tag,
+            user: req.user,
         },
     )?;
-    let pid = match read_message(s) {
-        Ok(Message::Started { pid }) => pid,
-        Ok(m) => return Err(unexpected(m)),
-        Err(ClientError::Protocol(ProtocolError::Closed)) => {
-            return Err(ClientError::ClosedBeforeStart)
-        }
-        Err(e) => return Err(e),
-    };
+    let pid = started(s)?;
+    on_start(pid);
     if let Some(input) = stdin {
         let tx = Connection::try_clone(s).map_err(ProtocolError::Io)?;
         std::thread::Builder::new()
@@ -330,6 +353,43 @@ where
             .spawn(move || pump_stdin(input, tx))
             .map_err(ClientError::Local)?;
     }
+    follow(s, pid, stdout, stderr)
+}
+
+/// Follows a running command (one started with `keep`, or any other while
+/// its own connection lasts): its output from now on goes to `stdout` and
+/// `stderr` until it ends. `on_start` gets its pid first. Closing the
+/// connection stops following and leaves the command running.
+pub fn attach<S: Read + Write>(
+    s: &mut S,
+    process: crate::ProcessRef,
+    on_start: impl FnOnce(u32),
+    stdout: impl Write,
+    stderr: impl Write,
+) -> Result<ExitInfo, ClientError> {
+    send(s, Message::Attach { process })?;
+    let pid = started(s)?;
+    on_start(pid);
+    follow(s, pid, stdout, stderr)
+}
+
+/// Reads the `Started` that opens a command's stream.
+fn started<S: Read>(s: &mut S) -> Result<u32, ClientError> {
+    match read_message(s) {
+        Ok(Message::Started { pid }) => Ok(pid),
+        Ok(m) => Err(unexpected(m)),
+        Err(ClientError::Protocol(ProtocolError::Closed)) => Err(ClientError::ClosedBeforeStart),
+        Err(e) => Err(e),
+    }
+}
+
+/// A command's output frames up to its `Exited`.
+fn follow<S: Read>(
+    s: &mut S,
+    pid: u32,
+    mut stdout: impl Write,
+    mut stderr: impl Write,
+) -> Result<ExitInfo, ClientError> {
     loop {
         let frame = match read_frame(s) {
             Ok(f) => f,
@@ -368,6 +428,58 @@ where
                 )))
             }
         }
+    }
+}
+
+/// Sends `signal` to a running command's process group; false when it had
+/// ended already.
+pub fn signal<S: Read + Write>(
+    s: &mut S,
+    process: crate::ProcessRef,
+    signal: i32,
+) -> Result<bool, ClientError> {
+    done(s, Message::Signal { process, signal })
+}
+
+/// Writes `data` to a running command's stdin (it must have been started
+/// with stdin); `close` then closes its stdin (EOF for the command).
+pub fn input<S: Read + Write>(
+    s: &mut S,
+    process: crate::ProcessRef,
+    data: &[u8],
+    close: bool,
+) -> Result<(), ClientError> {
+    let sent = (|| -> Result<(), ProtocolError> {
+        send(s, Message::Input { process, close })?;
+        for chunk in data.chunks(MAX_CHUNK) {
+            write_frame(s, &Frame::Data(Stream::Stdin, chunk.to_vec()))?;
+        }
+        send(
+            s,
+            Message::Eof {
+                stream: Stream::Stdin,
+            },
+        )
+    })();
+    if let Err(e) = sent {
+        // The agent may have refused at once (no such command) and closed.
+        return match read_message(s) {
+            Err(agent @ ClientError::Agent { .. }) => Err(agent),
+            _ => Err(e.into()),
+        };
+    }
+    match read_message(s)? {
+        Message::Done { .. } => Ok(()),
+        m => Err(unexpected(m)),
+    }
+}
+
+/// The commands the agent runs.
+pub fn list_processes<S: Read + Write>(s: &mut S) -> Result<Vec<crate::ProcessInfo>, ClientError> {
+    send(s, Message::ListProcesses)?;
+    match read_message(s)? {
+        Message::Processes { processes } => Ok(processes),
+        m => Err(unexpected(m)),
     }
 }
 
@@ -567,6 +679,17 @@ pub fn make_dir<S: Read + Write>(s: &mut S, path: &str) -> Result<bool, ClientEr
         s,
         Message::MakeDir {
             path: path.to_owned(),
+        },
+    )
+}
+
+/// Move a path (its new parents are made).
+pub fn rename<S: Read + Write>(s: &mut S, from: &str, to: &str) -> Result<bool, ClientError> {
+    done(
+        s,
+        Message::Rename {
+            from: from.to_owned(),
+            to: to.to_owned(),
         },
     )
 }

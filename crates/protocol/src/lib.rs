@@ -15,7 +15,14 @@
 //! - `Ping` → `Pong`.
 //! - `Exec` → `Started`, then `Data(stdout|stderr)` frames, and finally
 //!   `Exited`. When `Exec.stdin` is true the host sends `Data(stdin)` frames
-//!   and then `Eof(stdin)`.
+//!   and then `Eof(stdin)`. A command ends with its connection unless
+//!   `Exec.keep`: then it is the agent's (it outlives a client that left, a
+//!   sleep, a fork) and later connections follow and drive it:
+//! - `Attach` → `Started`, the command's output from now on, `Exited`.
+//! - `Signal` → `Done` (a signal to the command's process group).
+//! - `Input` → the host sends `Data(stdin)` frames and `Eof(stdin)` → `Done`.
+//! - `ListProcesses` → `Processes`: every command the agent runs.
+//! - `Stat`, `ListDir` → `Entries`; `Remove`, `MakeDir`, `Rename` → `Done`.
 //! - `ReadFile` → `FileInfo`, `Data(file)` frames, `Eof(file)`.
 //! - `WriteFile` → host sends `Data(file)` frames and `Eof(file)` → `Written`.
 //! - `Shutdown` → `ShuttingDown`, then the guest powers off.
@@ -33,8 +40,9 @@ use std::io::{self, Read, Write};
 pub mod client;
 pub mod wake;
 pub use client::{
-    connect_vsock_uds, exec, hello, hello_as, ping, quiesce, read_file, shutdown, vsock_handshake,
-    wake, write_file, ClientError, Connection, ExecRequest, ExitInfo, FileInfo, Pong,
+    attach, connect_vsock_uds, exec, exec_with, hello, hello_as, input, list_processes, ping,
+    quiesce, read_file, shutdown, signal, vsock_handshake, wake, write_file, ClientError,
+    Connection, ExecRequest, ExitInfo, FileInfo, Pong,
 };
 pub use wake::{QuiesceReport, Wake, WakeReport};
 
@@ -127,6 +135,41 @@ pub enum Message {
         /// Kill the command (SIGKILL) after this long.
         #[serde(default)]
         timeout_ms: Option<u64>,
+        /// The command is the agent's, not this connection's: it goes on
+        /// when the connection ends, and `Attach` follows it again.
+        #[serde(default)]
+        keep: bool,
+        /// A name to find the command by (unique among running ones).
+        #[serde(default)]
+        tag: Option<String>,
+        /// Run as this guest user (from /etc/passwd; its home is the
+        /// default working directory), not as the agent's (root).
+        #[serde(default)]
+        user: Option<String>,
+    },
+    /// Follow a running command: `Started`, its output from now on, and
+    /// `Exited` (at once if it has just ended).
+    Attach {
+        process: ProcessRef,
+    },
+    /// Send a signal to a running command's process group → `Done`
+    /// (`changed`: it was still running).
+    Signal {
+        process: ProcessRef,
+        signal: i32,
+    },
+    /// Input for a running command started with `stdin`: `Data(stdin)`
+    /// frames follow, then `Eof(stdin)`; with `close` its stdin is closed
+    /// after them → `Done`.
+    Input {
+        process: ProcessRef,
+        #[serde(default)]
+        close: bool,
+    },
+    /// The commands the agent runs → `Processes`.
+    ListProcesses,
+    Processes {
+        processes: Vec<ProcessInfo>,
     },
     Started {
         pid: u32,
@@ -173,6 +216,11 @@ pub enum Message {
     MakeDir {
         path: String,
     },
+    /// Move a path (rename(2); `to`'s missing parents are made) → `Done`.
+    Rename {
+        from: String,
+        to: String,
+    },
     /// The answer to Stat (one entry) and ListDir.
     Entries {
         entries: Vec<Entry>,
@@ -195,6 +243,44 @@ pub enum Message {
         kind: ErrorKind,
         message: String,
     },
+}
+
+/// Which running command a request is about.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProcessRef {
+    Pid(u32),
+    Tag(String),
+}
+
+impl std::fmt::Display for ProcessRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProcessRef::Pid(p) => write!(f, "pid {p}"),
+            ProcessRef::Tag(t) => write!(f, "tag {t:?}"),
+        }
+    }
+}
+
+/// A command the agent runs, as `Exec` started it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct ProcessInfo {
+    pub pid: u32,
+    #[serde(default)]
+    pub tag: Option<String>,
+    pub argv: Vec<String>,
+    /// The environment `Exec` added.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// It outlives its connection (`Exec.keep`).
+    pub keep: bool,
+    /// It takes input (`Exec.stdin`).
+    pub stdin: bool,
 }
 
 /// A path in the guest, as Stat and ListDir describe it.
@@ -354,6 +440,32 @@ mod tests {
                 cwd: Some("/".into()),
                 stdin: true,
                 timeout_ms: Some(5),
+                keep: true,
+                tag: Some("t".into()),
+                user: None,
+            }),
+            Frame::Message(Message::Attach {
+                process: ProcessRef::Tag("t".into()),
+            }),
+            Frame::Message(Message::Signal {
+                process: ProcessRef::Pid(7),
+                signal: 15,
+            }),
+            Frame::Message(Message::Input {
+                process: ProcessRef::Pid(7),
+                close: true,
+            }),
+            Frame::Message(Message::Processes {
+                processes: vec![ProcessInfo {
+                    pid: 7,
+                    tag: None,
+                    argv: vec!["sleep".into(), "9".into()],
+                    env: vec![],
+                    cwd: None,
+                    user: Some("root".into()),
+                    keep: true,
+                    stdin: false,
+                }],
             }),
             Frame::Data(Stream::Stdout, b"hello\0world".to_vec()),
             Frame::Data(Stream::File, Vec::new()),
