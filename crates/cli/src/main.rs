@@ -196,6 +196,9 @@ pub enum Command {
     /// tined, the control plane this CLI talks to.
     #[command(subcommand)]
     Daemon(verbs::DaemonCommand),
+    /// API keys for tined's TCP listener (E2B's E2B_API_KEY).
+    #[command(subcommand)]
+    Keys(verbs::KeysCommand),
     /// Print lifecycle events as they happen (JSON lines).
     Events,
 }

@@ -164,6 +164,26 @@ pub enum GatewayCommand {
     Serve,
 }
 
+/// `tine keys ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum KeysCommand {
+    /// Issue an API key for tined's TCP listener (`tined --tcp`; E2B's
+    /// `E2B_API_KEY`). The key is printed this once; tined keeps its hash.
+    Create {
+        /// What it is for.
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The keys issued (ids, names, prefixes; never the keys).
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key (by id or name): requests with it are refused at once.
+    Rm { id: String },
+}
+
 /// `tine daemon ...`.
 #[derive(clap::Subcommand, Debug)]
 pub enum DaemonCommand {
@@ -518,6 +538,7 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Effects(args) => effects(c, args),
         Command::Gateway(cmd) => gateway(c, cmd),
+        Command::Keys(cmd) => keys(c, cmd),
         Command::Events => {
             use std::io::Write;
             let mut out = std::io::stdout().lock();
@@ -861,6 +882,48 @@ fn gateway(c: &Client, cmd: GatewayCommand) -> anyhow::Result<ExitCode> {
             }
         }
         GatewayCommand::Serve => {}
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn keys(c: &Client, cmd: KeysCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        KeysCommand::Create { name, json } => {
+            let k: serde_json::Value = c.post("/v1/keys", &serde_json::json!({ "name": name }))?;
+            if json {
+                render::json(&k, true)?;
+            } else {
+                println!("{}", k["key"].as_str().unwrap_or_default());
+                eprintln!(
+                    "key {} ({}): shown this once; `tine keys rm {}` revokes it",
+                    k["id"].as_str().unwrap_or("?"),
+                    k["name"].as_str().unwrap_or("?"),
+                    k["id"].as_str().unwrap_or("?"),
+                );
+            }
+        }
+        KeysCommand::Ls { json } => {
+            let ks: Vec<serde_json::Value> = c.get("/v1/keys")?;
+            if json {
+                render::json(&ks, true)?;
+            } else if ks.is_empty() {
+                println!("no API keys (tine keys create NAME)");
+            } else {
+                for k in ks {
+                    println!(
+                        "{}\t{}...\t{}",
+                        k["id"].as_str().unwrap_or("?"),
+                        k["prefix"].as_str().unwrap_or("?"),
+                        k["name"].as_str().unwrap_or("?")
+                    );
+                }
+            }
+        }
+        KeysCommand::Rm { id } => {
+            let _: serde_json::Value =
+                c.call(Method::DELETE, &format!("/v1/keys/{id}"), None::<&()>, &[])?;
+            println!("revoked {id}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

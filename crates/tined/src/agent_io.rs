@@ -36,6 +36,23 @@ pub struct ExecSpec {
     /// Its stdin, base64 (closed after; none: empty).
     #[serde(default)]
     pub stdin_b64: Option<String>,
+    /// Its stdin stays open for `POST .../processes/{pid}/stdin` (instead
+    /// of `stdin_b64`).
+    #[serde(default)]
+    pub open_stdin: bool,
+    /// The command is the guest agent's, not this request's: it runs on
+    /// when the client leaves, the vm sleeps or forks (each copy has it),
+    /// and `GET .../processes/{pid}/output` follows it again. The
+    /// streamed form then starts with a `started` event carrying its pid.
+    #[serde(default)]
+    pub keep: bool,
+    /// A name for it, unique among the vm's running commands.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// The guest user it runs as (default root); its home is the default
+    /// working directory.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// How a command ended, with its output (the buffered form).
@@ -56,6 +73,11 @@ pub struct ExecResult {
 #[derive(Clone, Debug, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecEvent {
+    /// The command's pid in the guest (first, for kept commands and
+    /// followed ones).
+    Started {
+        pid: u32,
+    },
     Stdout {
         data_b64: String,
     },
@@ -72,9 +94,14 @@ pub enum ExecEvent {
     },
 }
 
-fn request(spec: &ExecSpec) -> ApiResult<(protocol::client::ExecRequest, Vec<u8>)> {
+fn request(spec: &ExecSpec) -> ApiResult<(protocol::client::ExecRequest, Option<Vec<u8>>)> {
     if spec.argv.is_empty() {
         return Err(ApiError::invalid("argv is empty: say what to run"));
+    }
+    if spec.open_stdin && spec.stdin_b64.is_some() {
+        return Err(ApiError::invalid(
+            "give either stdin_b64 (the whole input) or open_stdin (input later), not both",
+        ));
     }
     let timeout = match spec.timeout_s {
         Some(t) if t > 0.0 && t.is_finite() && t < 1e7 => Some(Duration::from_secs_f64(t)),
@@ -86,10 +113,13 @@ fn request(spec: &ExecSpec) -> ApiResult<(protocol::client::ExecRequest, Vec<u8>
         None => None,
     };
     let stdin = match &spec.stdin_b64 {
-        Some(b) => base64::engine::general_purpose::STANDARD
-            .decode(b.as_bytes())
-            .map_err(|e| ApiError::invalid(format!("stdin_b64 is not base64: {e}")))?,
-        None => Vec::new(),
+        Some(b) => Some(
+            base64::engine::general_purpose::STANDARD
+                .decode(b.as_bytes())
+                .map_err(|e| ApiError::invalid(format!("stdin_b64 is not base64: {e}")))?,
+        ),
+        // A command with no input reads EOF, unless its stdin stays open.
+        None => (!spec.open_stdin).then(Vec::new),
     };
     Ok((
         protocol::client::ExecRequest {
@@ -101,6 +131,10 @@ fn request(spec: &ExecSpec) -> ApiResult<(protocol::client::ExecRequest, Vec<u8>
                 .collect(),
             cwd: spec.cwd.clone(),
             timeout,
+            keep: spec.keep,
+            tag: spec.tag.clone(),
+            user: spec.user.clone(),
+            open_stdin: spec.open_stdin,
         },
         stdin,
     ))
@@ -130,6 +164,34 @@ impl Write for ChanWriter {
     }
 }
 
+fn chan_writers(tx: &tokio::sync::mpsc::Sender<ExecEvent>) -> (ChanWriter, ChanWriter) {
+    let w = |stderr| ChanWriter {
+        tx: tx.clone(),
+        stderr,
+    };
+    (w(false), w(true))
+}
+
+/// The last event of a command's stream: its exit, or what failed.
+fn last_event(
+    res: Result<protocol::ExitInfo, protocol::client::ClientError>,
+    what: String,
+) -> ExecEvent {
+    match res {
+        Ok(info) => ExecEvent::Exit {
+            exit_code: info.exit_code(),
+            signal: info.signal,
+            timed_out: info.timed_out,
+        },
+        Err(e) => ExecEvent::Error {
+            error: ErrorBody {
+                code: "failed".into(),
+                message: format!("{what} failed: {e}"),
+            },
+        },
+    }
+}
+
 /// Runs a command and sends its output as events as it comes, the exit
 /// (or the failure) last: the streamed exec, and E2B's Process.Start.
 pub(crate) async fn exec_events(
@@ -142,38 +204,256 @@ pub(crate) async fn exec_events(
     let n = name.clone();
     let conn = blocking(move || host::exec::connect(&st.host, &n)).await?;
     let (tx, rx) = tokio::sync::mpsc::channel::<ExecEvent>(64);
+    let announce = req.keep;
     tokio::task::spawn_blocking(move || {
         let mut conn = conn;
-        let out = ChanWriter {
-            tx: tx.clone(),
-            stderr: false,
+        let (out, err) = chan_writers(&tx);
+        let started = tx.clone();
+        let on_start = move |pid| {
+            if announce {
+                let _ = started.blocking_send(ExecEvent::Started { pid });
+            }
         };
-        let err = ChanWriter {
-            tx: tx.clone(),
-            stderr: true,
-        };
-        let ev = match protocol::client::exec(
+        let res = protocol::client::exec_with(
             &mut conn,
             req,
-            Some(std::io::Cursor::new(stdin)),
+            stdin.map(std::io::Cursor::new),
+            on_start,
             out,
             err,
-        ) {
-            Ok(info) => ExecEvent::Exit {
-                exit_code: info.exit_code(),
-                signal: info.signal,
-                timed_out: info.timed_out,
-            },
-            Err(e) => ExecEvent::Error {
-                error: ErrorBody {
-                    code: "failed".into(),
-                    message: format!("exec in vm {name:?} failed: {e}"),
-                },
-            },
-        };
-        let _ = tx.blocking_send(ev);
+        );
+        let _ = tx.blocking_send(last_event(res, format!("exec in vm {name:?}")));
     });
     Ok(rx)
+}
+
+/// Follows a running command: `started`, its output from now on, and its
+/// exit, as events (GET .../processes/{pid}/output, E2B's Process.Connect).
+pub(crate) async fn follow_events(
+    s: &Shared,
+    name: String,
+    process: protocol::ProcessRef,
+) -> ApiResult<tokio::sync::mpsc::Receiver<ExecEvent>> {
+    let st = s.clone();
+    let n = name.clone();
+    let mut conn = blocking(move || host::exec::connect(&st.host, &n)).await?;
+    // The first answer says whether there is such a command: an error
+    // before it is the request's, not the stream's.
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<Result<u32, host::Error>>();
+    let (tx, rx) = tokio::sync::mpsc::channel::<ExecEvent>(64);
+    tokio::task::spawn_blocking(move || {
+        let (out, err) = chan_writers(&tx);
+        let mut first = Some(first_tx);
+        let started = tx.clone();
+        let on_start = |pid| {
+            if let Some(f) = first.take() {
+                let _ = f.send(Ok(pid));
+            }
+            let _ = started.blocking_send(ExecEvent::Started { pid });
+        };
+        let what = format!("following {process} in vm {name:?}");
+        let res = protocol::client::attach(&mut conn, process.clone(), on_start, out, err);
+        match (res, first.take()) {
+            (Err(e), Some(f)) => {
+                let _ = f.send(Err(process_error(&name, &process, e)));
+            }
+            (res, _) => {
+                let _ = tx.blocking_send(last_event(res, what));
+            }
+        }
+    });
+    match first_rx.await {
+        Ok(Ok(_)) => Ok(rx),
+        Ok(Err(e)) => Err(ApiError::from(e)),
+        Err(_) => Err(ApiError::internal("the follower ended before it started")),
+    }
+}
+
+/// The agent's answer about a running command, as the API's error.
+fn process_error(
+    name: &str,
+    process: &protocol::ProcessRef,
+    e: protocol::client::ClientError,
+) -> host::Error {
+    use protocol::{client::ClientError, ErrorKind};
+    match e {
+        ClientError::Agent {
+            kind: ErrorKind::NotFound,
+            message,
+        } => host::Error::not_found(format!("vm {name:?}: {message}")),
+        ClientError::Agent {
+            kind: ErrorKind::BadRequest | ErrorKind::Io,
+            message,
+        } => host::Error::invalid(format!("vm {name:?}: {message}")),
+        e => host::Error::failed(format!("vm {name:?}, {process}: {e}")),
+    }
+}
+
+/// NDJSON lines of a command's events.
+fn ndjson(rx: tokio::sync::mpsc::Receiver<ExecEvent>) -> Response {
+    let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(|ev| {
+        let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+        line.push(b'\n');
+        Ok::<_, std::convert::Infallible>(Bytes::from(line))
+    });
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// The guest pid of a path segment.
+fn pid_of(pid: &str) -> ApiResult<protocol::ProcessRef> {
+    pid.parse::<u32>()
+        .ok()
+        .filter(|p| *p > 0)
+        .map(protocol::ProcessRef::Pid)
+        .ok_or_else(|| ApiError::invalid(format!("{pid:?} is not a guest pid")))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/processes", tag = "agent",
+    params(("name" = String, Path)),
+    responses((status = 200, body = Vec<protocol::ProcessInfo>), (status = 409, body = ErrorBody)))]
+pub async fn list_processes(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<Vec<protocol::ProcessInfo>>> {
+    let st = s.clone();
+    let list = blocking(move || {
+        let mut conn = host::exec::connect(&st.host, &name)?;
+        protocol::client::list_processes(&mut conn)
+            .map_err(|e| host::Error::failed(format!("cannot list the commands of {name:?}: {e}")))
+    })
+    .await?;
+    Ok(Json(list))
+}
+
+#[utoipa::path(get, path = "/v1/vms/{name}/processes/{pid}/output", tag = "agent",
+    params(("name" = String, Path), ("pid" = u32, Path)),
+    responses((status = 200, description = "NDJSON ExecEvents: started, output from now on, exit"),
+        (status = 404, body = ErrorBody)))]
+pub async fn process_output(
+    State(s): State<Shared>,
+    Path((name, pid)): Path<(String, String)>,
+) -> ApiResult<Response> {
+    let rx = follow_events(&s, name, pid_of(&pid)?).await?;
+    Ok(ndjson(rx))
+}
+
+/// A signal for a running command.
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct SignalSpec {
+    /// A number (9) or a name (`KILL`, `SIGTERM`).
+    pub signal: serde_json::Value,
+}
+
+/// A signal's number from its number or name.
+pub(crate) fn signal_number(v: &serde_json::Value) -> ApiResult<i32> {
+    const NAMES: [(&str, i32); 10] = [
+        ("HUP", 1),
+        ("INT", 2),
+        ("QUIT", 3),
+        ("KILL", 9),
+        ("USR1", 10),
+        ("USR2", 12),
+        ("TERM", 15),
+        ("CONT", 18),
+        ("STOP", 19),
+        ("TSTP", 20),
+    ];
+    let n = match v {
+        serde_json::Value::Number(n) => n.as_i64().and_then(|n| i32::try_from(n).ok()),
+        serde_json::Value::String(s) => {
+            let name = s.trim_start_matches("SIG");
+            NAMES.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+        }
+        _ => None,
+    };
+    n.filter(|n| (1..=64).contains(n)).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "signal {v} is not a signal number (1-64) or name (TERM, KILL, INT, HUP, ...)"
+        ))
+    })
+}
+
+/// Whether a signal reached a running command.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct Signalled {
+    /// False when the command had just ended.
+    pub delivered: bool,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/processes/{pid}/signal", tag = "agent",
+    request_body = SignalSpec, params(("name" = String, Path), ("pid" = u32, Path)),
+    responses((status = 200, body = Signalled), (status = 404, body = ErrorBody)))]
+pub async fn signal_process(
+    State(s): State<Shared>,
+    Path((name, pid)): Path<(String, String)>,
+    JsonBody(spec): JsonBody<SignalSpec>,
+) -> ApiResult<Json<Signalled>> {
+    let process = pid_of(&pid)?;
+    let sig = signal_number(&spec.signal)?;
+    let delivered = signal_in(&s, name, process, sig).await?;
+    Ok(Json(Signalled { delivered }))
+}
+
+/// Sends a signal to a running command of a vm.
+pub(crate) async fn signal_in(
+    s: &Shared,
+    name: String,
+    process: protocol::ProcessRef,
+    sig: i32,
+) -> ApiResult<bool> {
+    let st = s.clone();
+    blocking(move || {
+        let mut conn = host::exec::connect(&st.host, &name)?;
+        protocol::client::signal(&mut conn, process.clone(), sig)
+            .map_err(|e| process_error(&name, &process, e))
+    })
+    .await
+}
+
+/// Writes to a running command's stdin.
+pub(crate) async fn input_to(
+    s: &Shared,
+    name: String,
+    process: protocol::ProcessRef,
+    data: Bytes,
+    close: bool,
+) -> ApiResult<()> {
+    let st = s.clone();
+    blocking(move || {
+        let mut conn = host::exec::connect(&st.host, &name)?;
+        protocol::client::input(&mut conn, process.clone(), &data, close)
+            .map_err(|e| process_error(&name, &process, e))
+    })
+    .await
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct StdinQuery {
+    /// Close the command's stdin after this input (EOF).
+    #[serde(default)]
+    pub close: bool,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/processes/{pid}/stdin", tag = "agent",
+    params(("name" = String, Path), ("pid" = u32, Path), StdinQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 204, description = "Written"), (status = 400, body = ErrorBody),
+        (status = 404, body = ErrorBody)))]
+pub async fn process_stdin(
+    State(s): State<Shared>,
+    Path((name, pid)): Path<(String, String)>,
+    Query(q): Query<StdinQuery>,
+    req: Request,
+) -> ApiResult<StatusCode> {
+    let process = pid_of(&pid)?;
+    let body = crate::state::read_limited(req, &(), MAX_UPLOAD).await?;
+    input_to(&s, name, process, body, q.close).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(post, path = "/v1/vms/{name}/exec", tag = "agent", request_body = ExecSpec,
@@ -193,16 +473,7 @@ pub async fn exec(
         .is_some_and(|v| v.contains("application/x-ndjson"));
     if streamed {
         let rx = exec_events(&s, name, &spec).await?;
-        let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(|ev| {
-            let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-            line.push(b'\n');
-            Ok::<_, std::convert::Infallible>(Bytes::from(line))
-        });
-        return Ok((
-            [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
-            Body::from_stream(body),
-        )
-            .into_response());
+        return Ok(ndjson(rx));
     }
     let (req, stdin) = request(&spec)?;
     let st = s.clone();
@@ -214,7 +485,7 @@ pub async fn exec(
         let info = protocol::client::exec(
             &mut conn,
             req,
-            Some(std::io::Cursor::new(stdin)),
+            stdin.map(std::io::Cursor::new),
             &mut out,
             &mut err,
         );
@@ -493,6 +764,35 @@ pub async fn make_dir(
     let path = q.path.clone();
     let changed = fs_op(&s, name, q.path, protocol::client::make_dir).await?;
     Ok(Json(FsChange { path, changed }))
+}
+
+/// A move inside the guest.
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct MoveSpec {
+    /// Absolute guest path that exists.
+    pub from: String,
+    /// Absolute guest path it becomes (its missing parents are made).
+    pub to: String,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/files/move", tag = "agent",
+    request_body = MoveSpec, params(("name" = String, Path)),
+    responses((status = 200, body = protocol::Entry, description = "The moved path"),
+        (status = 404, body = ErrorBody)))]
+pub async fn move_file(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<MoveSpec>,
+) -> ApiResult<Json<protocol::Entry>> {
+    guest_path(&spec.to)?;
+    let to = spec.to.clone();
+    fs_op(&s, name.clone(), spec.from, move |c, from| {
+        protocol::client::rename(c, from, &to)
+    })
+    .await?;
+    // One request per agent connection: the new path's entry is a second.
+    let e = fs_op(&s, name, spec.to, protocol::client::stat).await?;
+    Ok(Json(e))
 }
 
 /// Largest upload accepted in one request.

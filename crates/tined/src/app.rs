@@ -953,3 +953,72 @@ pub async fn get_operation(
     }
     Ok(Json(op.get()))
 }
+
+// --- API keys ---
+
+/// Key management is the host owner's alone: over the Unix socket, or with
+/// the token tined was started with; never with a key.
+fn owner_only(caller: Option<axum::Extension<crate::serve::Caller>>) -> ApiResult<()> {
+    match caller.map(|c| c.0) {
+        None | Some(crate::serve::Caller::Owner) => Ok(()),
+        Some(_) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "API keys are managed by the host's owner only (tined's Unix socket, `tine keys`, or its --token-file token)",
+        )),
+    }
+}
+
+/// A key to make.
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct NewKeySpec {
+    /// What the key is for (1-64 printable characters).
+    pub name: String,
+}
+
+#[utoipa::path(get, path = "/v1/keys", tag = "meta",
+    responses((status = 200, body = Vec<crate::keys::KeyInfo>), (status = 403, body = ErrorBody)))]
+pub async fn list_keys(
+    State(s): State<Shared>,
+    caller: Option<axum::Extension<crate::serve::Caller>>,
+) -> ApiResult<Json<Vec<crate::keys::KeyInfo>>> {
+    owner_only(caller)?;
+    Ok(Json(s.keys.list()))
+}
+
+#[utoipa::path(post, path = "/v1/keys", tag = "meta", request_body = NewKeySpec,
+    responses((status = 201, body = crate::keys::NewKey, description = "The key: shown this once"),
+        (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
+pub async fn create_key(
+    State(s): State<Shared>,
+    caller: Option<axum::Extension<crate::serve::Caller>>,
+    JsonBody(spec): JsonBody<NewKeySpec>,
+) -> ApiResult<(StatusCode, Json<crate::keys::NewKey>)> {
+    owner_only(caller)?;
+    let k = s.keys.create(&spec.name)?;
+    s.events.emit(
+        "key.created",
+        &k.info.id,
+        serde_json::json!({ "name": k.info.name }),
+    );
+    Ok((StatusCode::CREATED, Json(k)))
+}
+
+#[utoipa::path(delete, path = "/v1/keys/{id}", tag = "meta",
+    params(("id" = String, Path, description = "The key's id or name")),
+    responses((status = 204, description = "Revoked"), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody)))]
+pub async fn delete_key(
+    State(s): State<Shared>,
+    caller: Option<axum::Extension<crate::serve::Caller>>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    owner_only(caller)?;
+    if !s.keys.remove(&id)? {
+        return Err(ApiError::not_found(format!(
+            "no API key {id:?} (see GET /v1/keys)"
+        )));
+    }
+    s.events.emit("key.revoked", &id, serde_json::json!({}));
+    Ok(StatusCode::NO_CONTENT)
+}

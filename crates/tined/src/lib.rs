@@ -11,6 +11,7 @@ pub mod error;
 pub mod events;
 pub mod idem;
 pub mod images;
+pub mod keys;
 pub mod logfile;
 pub mod metrics;
 pub mod openapi;

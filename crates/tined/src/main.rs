@@ -183,14 +183,17 @@ fn daemon(
         ),
         (Some(_), None) => std::env::var("TINED_TOKEN").ok(),
     };
-    if tcp.is_some() && token.as_deref().is_none_or(|t| t.len() < 16) {
-        anyhow::bail!(
-            "--tcp needs a token of 16 or more characters (--token-file FILE or TINED_TOKEN)"
-        );
+    if token.as_deref().is_some_and(|t| t.len() < 16) {
+        anyhow::bail!("the token for --tcp must have 16 or more characters");
     }
     let bins = host::Binaries::find()?;
     let h = host::Host::new(home.clone(), bins);
-    let state = tined::state::AppState::new(h.clone(), build_id());
+    let state = tined::state::AppState::new(h.clone(), build_id())?;
+    if tcp.is_some() && token.is_none() && state.keys.list().is_empty() {
+        anyhow::bail!(
+            "--tcp needs a way in: a token of 16 or more characters (--token-file FILE or TINED_TOKEN), or API keys (`tine keys create NAME`)"
+        );
+    }
     // The subreaper: every VMM this process starts, and every fork child
     // orphaned by its VMM, is reaped here.
     let st = state.clone();
@@ -251,15 +254,21 @@ fn daemon(
         let unix = tined::serve::bind_unix(&sock)
             .with_context(|| format!("cannot listen on {}", sock.display()))?;
         let app = tined::router::app(state.clone());
+        // E2B sandboxes whose time is up sleep or go.
+        tokio::spawn(tined::e2b::expire(state.clone()));
         let stop = tined::serve::Stop::default();
         tokio::spawn(tined::serve::unix(unix, app.clone(), stop.watcher()));
-        if let (Some(addr), Some(token)) = (tcp, token) {
+        if let Some(addr) = tcp {
             let l = tokio::net::TcpListener::bind(&addr)
                 .await
                 .with_context(|| format!("cannot listen on {addr}"))?;
             let bound = l.local_addr().map(|a| a.to_string()).unwrap_or(addr);
-            tracing::info!("listening on tcp {bound} (bearer token required)");
-            tokio::spawn(tined::serve::tcp(l, app, Arc::new(token), stop.watcher()));
+            tracing::info!("listening on tcp {bound} (a token or an API key required)");
+            let auth = Arc::new(tined::serve::Auth {
+                token,
+                state: state.clone(),
+            });
+            tokio::spawn(tined::serve::tcp(l, app, auth, stop.watcher()));
         }
         tracing::info!("listening on {}", sock.display());
         let watch = watch_home(state.clone(), sock.clone(), idle_exit);

@@ -9,7 +9,7 @@ use utoipa::OpenApi;
 #[openapi(
     info(
         title = "tined",
-        description = "tine's control plane: run, fork, checkpoint, roll back, snapshot, sleep and wake KVM microVMs. Unix socket at $TINE_HOME/tined.sock (no token), or TCP with `Authorization: Bearer TOKEN`. Errors are JSON {code, message}: 400 invalid_input, 401 unauthorized, 404 not_found, 405 method_not_allowed, 409 conflict or busy, 413 too_large, 422 conflict (an Idempotency-Key used for another request), 500 failed or internal, 503 restarting. Long work answers 202 with an Operation (Location: /v1/operations/ID).",
+        description = "tine's control plane: run, fork, checkpoint, roll back, snapshot, sleep and wake KVM microVMs. Unix socket at $TINE_HOME/tined.sock (no token), or TCP with `Authorization: Bearer KEY` (an API key, POST /v1/keys, or the token tined was started with). Errors are JSON {code, message}: 400 invalid_input, 401 unauthorized, 403 forbidden, 404 not_found, 405 method_not_allowed, 409 conflict or busy, 413 too_large, 422 conflict (an Idempotency-Key used for another request), 500 failed or internal, 503 restarting. Long work answers 202 with an Operation (Location: /v1/operations/ID).",
         license(name = "Apache-2.0")
     ),
     paths(
@@ -59,6 +59,14 @@ use utoipa::OpenApi;
         crate::agent_io::stat_file,
         crate::agent_io::list_files,
         crate::agent_io::make_dir,
+        crate::agent_io::move_file,
+        crate::agent_io::list_processes,
+        crate::agent_io::process_output,
+        crate::agent_io::signal_process,
+        crate::agent_io::process_stdin,
+        crate::app::list_keys,
+        crate::app::create_key,
+        crate::app::delete_key,
         crate::agent_io::console,
         crate::agent_io::console_send,
         crate::stream::events,

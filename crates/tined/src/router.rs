@@ -61,6 +61,28 @@ pub fn app(state: Shared) -> Router {
         )
         .route("/v1/vms/{name}/files/dir", post(crate::agent_io::make_dir))
         .route(
+            "/v1/vms/{name}/files/move",
+            post(crate::agent_io::move_file),
+        )
+        .route(
+            "/v1/vms/{name}/processes",
+            get(crate::agent_io::list_processes),
+        )
+        .route(
+            "/v1/vms/{name}/processes/{pid}/output",
+            get(crate::agent_io::process_output),
+        )
+        .route(
+            "/v1/vms/{name}/processes/{pid}/signal",
+            post(crate::agent_io::signal_process),
+        )
+        .route(
+            "/v1/vms/{name}/processes/{pid}/stdin",
+            post(crate::agent_io::process_stdin),
+        )
+        .route("/v1/keys", get(list_keys).post(create_key))
+        .route("/v1/keys/{id}", delete(delete_key))
+        .route(
             "/v1/vms/{name}/console",
             get(crate::agent_io::console).post(crate::agent_io::console_send),
         )
@@ -167,13 +189,19 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Answers a request for a path no route has.
-async fn not_found(req: Request) -> ApiError {
+/// Answers a request for a path no route has (in E2B's shape outside
+/// tined's own API).
+async fn not_found(req: Request) -> Response {
+    if crate::e2b::is_e2b_path(req.uri().path()) {
+        let (method, uri) = (req.method().clone(), req.uri().clone());
+        return crate::e2b::missing(method, uri).await.into_response();
+    }
     ApiError::not_found(format!(
         "no such endpoint: {} {} (see /v1/openapi.json)",
         req.method(),
         req.uri().path()
     ))
+    .into_response()
 }
 
 /// Every error is answered as JSON `{code, message}`: the ones axum makes
@@ -190,7 +218,11 @@ async fn json_errors(req: Request, next: axum::middleware::Next) -> Response {
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/json"));
-    if !(status.is_client_error() || status.is_server_error()) || is_json {
+    if !(status.is_client_error() || status.is_server_error()) {
+        return res;
+    }
+    let e2b = crate::e2b::is_e2b_path(&path);
+    if is_json && !e2b {
         return res;
     }
     let (mut parts, body) = res.into_parts();
@@ -198,6 +230,21 @@ async fn json_errors(req: Request, next: axum::middleware::Next) -> Response {
         .await
         .map(|b| String::from_utf8_lossy(&b).trim().to_string())
         .unwrap_or_default();
+    if e2b {
+        // E2B's clients read `{code: <status>, message}` (a Connect error
+        // on envd's RPC paths): an answer already in that shape passes,
+        // one of tined's `{code: "name", message}` or plain text is
+        // rewritten.
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let message = v["message"].as_str().map(str::to_string).unwrap_or(text);
+        parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+        parts.headers.remove(axum::http::header::CONTENT_TYPE);
+        let mut out = crate::e2b::error_answer(&path, status, v["code"].clone(), message);
+        for (k, v) in parts.headers.iter() {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+        return out;
+    }
     let (code, message) = match status {
         StatusCode::METHOD_NOT_ALLOWED => {
             let allow = parts

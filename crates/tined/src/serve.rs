@@ -1,7 +1,11 @@
 //! Listening: the Unix socket (mode 0600: only the owner reaches it, no
-//! token) and an optional TCP listener on which every request needs
-//! `Authorization: Bearer TOKEN`. Connections are served by hyper with
-//! upgrades (for `attach`).
+//! token) and an optional TCP listener on which every request needs the
+//! token tined was started with or an API key it issued (keys.rs), as
+//! `Authorization: Bearer ...` or E2B's `X-API-Key`; an E2B sandbox's
+//! envd requests may carry its own access token instead (`X-Access-Token`),
+//! which opens that sandbox's envd and nothing else. Each request gets a
+//! [`Caller`] extension saying which it was. Connections are served by
+//! hyper with upgrades (for `attach`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -65,11 +69,64 @@ pub async fn unix(
     }
 }
 
-/// Serves `app` over TCP, each request checked against `token`, until `stop`.
+/// Who may use the TCP listener.
+pub struct Auth {
+    /// The token tined was started with (`--token-file`): the owner's.
+    pub token: Option<String>,
+    /// Where the API keys and the E2B sandboxes' envd tokens are.
+    pub state: crate::state::Shared,
+}
+
+/// Who a request comes from (a request extension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// The host's owner: the Unix socket, or the token tined was started with.
+    Owner,
+    /// A client with an API key tined issued.
+    Key,
+    /// An E2B sandbox's envd access token: that sandbox's envd only.
+    Sandbox,
+}
+
+impl Auth {
+    /// Who sent a request with these headers to `path`, if anyone we know.
+    fn caller(&self, headers: &axum::http::HeaderMap, path: &str) -> Option<Caller> {
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let bearer = header("authorization")
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, t)| t.trim());
+        let presented = [bearer, header("x-api-key")];
+        if let Some(t) = &self.token {
+            let mut all = presented.into_iter().chain([header("x-access-token")]);
+            if all.any(|v| v.is_some_and(|v| crate::keys::same(v.as_bytes(), t.as_bytes()))) {
+                return Some(Caller::Owner);
+            }
+        }
+        if presented
+            .into_iter()
+            .flatten()
+            .any(|v| self.state.keys.check(v).is_some())
+        {
+            return Some(Caller::Key);
+        }
+        let sandbox = header("e2b-sandbox-id");
+        match (sandbox, header("x-access-token")) {
+            (Some(id), Some(t))
+                if crate::e2b::is_envd_path(path) && self.state.e2b.envd_token_is(id, t) =>
+            {
+                Some(Caller::Sandbox)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Serves `app` over TCP, each request checked by `auth`, until `stop`.
 pub async fn tcp(
     listener: tokio::net::TcpListener,
     app: Router,
-    token: Arc<String>,
+    auth: Arc<Auth>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
@@ -82,39 +139,44 @@ pub async fn tcp(
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
-        let token = token.clone();
+        let auth = auth.clone();
         let stop = stop.clone();
-        tokio::spawn(async move { connection(stream, app, Some(token), stop).await });
+        tokio::spawn(async move { connection(stream, app, Some(auth), stop).await });
     }
 }
 
 async fn connection<S>(
     stream: S,
     app: Router,
-    token: Option<Arc<String>>,
+    auth: Option<Arc<Auth>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-        let app = app.clone();
-        let token = token.clone();
-        async move {
-            if let Some(t) = &token {
-                if !authorized(req.headers(), t) {
+    let service = hyper::service::service_fn(
+        move |mut req: hyper::Request<hyper::body::Incoming>| {
+            let app = app.clone();
+            let auth = auth.clone();
+            async move {
+                let caller = match &auth {
+                    None => Some(Caller::Owner),
+                    Some(a) => a.caller(req.headers(), req.uri().path()),
+                };
+                let Some(caller) = caller else {
                     let mut res = axum::response::IntoResponse::into_response(ApiError::unauthorized(
-                        "this listener needs `Authorization: Bearer TOKEN` (the token tined was started with)",
-                    ));
+                    "this listener needs `Authorization: Bearer KEY` or `X-API-Key: KEY` (an API key from `tine keys create`, or the token tined was started with)",
+                ));
                     res.headers_mut().insert(
                         axum::http::header::WWW_AUTHENTICATE,
                         axum::http::HeaderValue::from_static("Bearer realm=\"tined\""),
                     );
                     return Ok::<_, std::convert::Infallible>(res);
-                }
+                };
+                req.extensions_mut().insert(caller);
+                app.oneshot(req.map(axum::body::Body::new)).await
             }
-            app.oneshot(req.map(axum::body::Body::new)).await
-        }
-    });
+        },
+    );
     let conn = hyper::server::conn::http1::Builder::new()
         .serve_connection(TokioIo::new(stream), service)
         .with_upgrades();
@@ -138,29 +200,6 @@ async fn connection<S>(
     }
 }
 
-/// Constant-time comparison of the bearer token (the scheme's name is
-/// case-insensitive, RFC 7235).
-/// Whether a request carries the token: `Authorization: Bearer TOKEN`, or
-/// E2B's headers for it (`X-API-Key` to the control API, `X-Access-Token`
-/// to envd: the e2b SDK sends the key it was given and the access token
-/// POST /sandboxes answered, which is this token).
-fn authorized(headers: &axum::http::HeaderMap, token: &str) -> bool {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let bearer = header("authorization")
-        .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, t)| t.trim());
-    [bearer, header("x-api-key"), header("x-access-token")]
-        .into_iter()
-        .flatten()
-        .any(|v| same(v.as_bytes(), token.as_bytes()))
-}
-
-/// Compares in time independent of where the first difference is.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Binds the Unix socket at `path` with mode 0600 (a stale socket of a
 /// dead tined is replaced; the home lock says none runs).
 pub fn bind_unix(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
@@ -175,27 +214,4 @@ pub fn bind_unix(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     let l = l?;
     l.set_nonblocking(true)?;
     tokio::net::UnixListener::from_std(l)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn test_authorized_needs_the_exact_token() {
-        let mut h = axum::http::HeaderMap::new();
-        assert!(!authorized(&h, "secret"));
-        h.insert("authorization", "Bearer secret".parse().expect("header"));
-        assert!(authorized(&h, "secret"));
-        assert!(!authorized(&h, "secreT"));
-        assert!(!authorized(&h, "secret2"));
-        h.insert("authorization", "Basic secret".parse().expect("header"));
-        assert!(!authorized(&h, "secret"));
-        h.insert("authorization", "bearer secret".parse().expect("header"));
-        assert!(authorized(&h, "secret"));
-        h.insert("authorization", "Bearer".parse().expect("header"));
-        assert!(!authorized(&h, "secret"));
-        h.insert("authorization", "Bearer ".parse().expect("header"));
-        assert!(!authorized(&h, "secret"));
-    }
 }

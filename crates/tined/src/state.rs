@@ -39,13 +39,21 @@ pub struct AppState {
     pub draining: std::sync::atomic::AtomicBool,
     /// Requests being answered (streams not counted).
     pub in_flight: std::sync::atomic::AtomicUsize,
+    /// API keys for TCP clients.
+    pub keys: crate::keys::Keys,
+    /// What the E2B-compatible API knows of its sandboxes and snapshots.
+    pub e2b: crate::e2b::records::Records,
 }
 
 pub type Shared = Arc<AppState>;
 
 impl AppState {
-    pub fn new(host: host::Host, build: String) -> Shared {
-        Arc::new(AppState {
+    /// The state of a tined serving `host` (fails when the stored API
+    /// keys cannot be read: they must not vanish).
+    pub fn new(host: host::Host, build: String) -> anyhow::Result<Shared> {
+        Ok(Arc::new(AppState {
+            keys: crate::keys::Keys::open(&host.home)?,
+            e2b: crate::e2b::records::Records::open(&host.home),
             idem: Idempotency::new(&host.home),
             host,
             ops: Operations::default(),
@@ -57,7 +65,7 @@ impl AppState {
             shutdown: tokio::sync::Notify::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
-        })
+        }))
     }
 }
 
