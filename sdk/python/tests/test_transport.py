@@ -175,6 +175,22 @@ def test_threads_each_take_a_connection_and_share_the_pool(serve):
         assert srv.accepted == opened, "later requests reuse pooled connections"
 
 
+def test_a_forked_child_opens_its_own_connection(serve):
+    srv = serve(echo)
+    with client(srv) as c:
+        assert c.request("GET", "/parent").json()["conn"] == 1
+        pid = os.fork()
+        if pid == 0:
+            ok = False
+            try:
+                ok = c.request("GET", "/child").json()["conn"] == 2
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert c.request("GET", "/parent").json()["conn"] == 1
+
+
 def test_chunked_bodies_with_extensions_and_trailers(serve):
     def handler(req, s):
         s.sendall(chunked(b"hello ", b"world") if req[2] == "/plain" else

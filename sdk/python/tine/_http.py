@@ -16,15 +16,18 @@ instead of httpx there (httpx stays for `url=`, TCP). httpx costs about
   for the next bytes of the answer), except for the asyncio client's
   `request`, where it bounds the whole request; None waits forever.
 - Every failure of the connection or the protocol is `TransportError`.
+- A forked child does not use its parent's connections; it opens its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json as jsonlib
+import os
 import socket
 import sys
 import time
+import weakref
 from typing import Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Tuple
 from urllib.parse import quote, urlencode
 
@@ -80,6 +83,7 @@ class _Base:
         self.timeout = timeout
         self._idle: List[Any] = []
         self._closed = False
+        _CLIENTS.add(self)
         fixed = {"host": ("Host", "tined"), "accept": ("Accept", "*/*")}
         fixed.update((k.lower(), (k, v)) for k, v in headers.items())
         self._fixed = fixed
@@ -128,6 +132,20 @@ class _Base:
             self._idle.append(conn)
         else:
             conn.close()
+
+
+_CLIENTS: "weakref.WeakSet[_Base]" = weakref.WeakSet()
+
+
+def _forget_connections() -> None:
+    """In a forked child: the parent's connections are not the child's to
+    use (their answers would go to either); it opens its own."""
+    for c in list(_CLIENTS):
+        c._idle = []
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_connections)
 
 
 def _param(v: Any) -> str:
