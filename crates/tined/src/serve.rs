@@ -122,6 +122,26 @@ impl Auth {
     }
 }
 
+impl Auth {
+    /// The answer to an envd request for a sandbox tined has no record of
+    /// (killed, or never made): 502, as E2B's proxy answers it.
+    fn gone_sandbox(
+        &self,
+        headers: &axum::http::HeaderMap,
+        path: &str,
+    ) -> Option<axum::response::Response> {
+        let id = headers.get("e2b-sandbox-id")?.to_str().ok()?;
+        if !crate::e2b::is_envd_path(path) || self.state.e2b.sandbox(id).is_some() {
+            return None;
+        }
+        let e = crate::e2b::E2bError(
+            axum::http::StatusCode::BAD_GATEWAY,
+            format!("sandbox {id:?} was not found"),
+        );
+        Some(axum::response::IntoResponse::into_response(e))
+    }
+}
+
 /// Serves `app` over TCP, each request checked by `auth`, until `stop`.
 pub async fn tcp(
     listener: tokio::net::TcpListener,
@@ -163,6 +183,14 @@ async fn connection<S>(
                     Some(a) => a.caller(req.headers(), req.uri().path()),
                 };
                 let Some(caller) = caller else {
+                    // A sandbox that is gone (or never was) is what E2B's
+                    // proxy says it is, whatever the token: not found.
+                    let gone = auth
+                        .as_ref()
+                        .and_then(|a| a.gone_sandbox(req.headers(), req.uri().path()));
+                    if let Some(res) = gone {
+                        return Ok(res);
+                    }
                     let mut res = axum::response::IntoResponse::into_response(ApiError::unauthorized(
                     "this listener needs `Authorization: Bearer KEY` or `X-API-Key: KEY` (an API key from `tine keys create`, or the token tined was started with)",
                 ));

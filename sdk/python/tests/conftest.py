@@ -97,6 +97,30 @@ def daemon():
     d.stop()
 
 
+@pytest.fixture(scope="session")
+def api_key(daemon) -> str:
+    """An API key tined issued (POST /v1/keys over its Unix socket, as
+    `tine keys create` does): what an E2B user puts in E2B_API_KEY."""
+    import httpx
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=daemon.socket), base_url="http://tined") as c:
+        r = c.post("/v1/keys", json={"name": "e2b-tests"})
+        r.raise_for_status()
+        return r.json()["key"]
+
+
+@pytest.fixture
+def e2b_env(daemon, api_key, monkeypatch):
+    """The e2b SDK pointed at tined through its documented environment
+    (nothing else: HTTP/1.1 or 2 is its own default)."""
+    monkeypatch.setenv("E2B_API_URL", daemon.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.url)
+    monkeypatch.setenv("E2B_API_KEY", api_key)
+    monkeypatch.delenv("E2B_DOMAIN", raising=False)
+    monkeypatch.delenv("E2B_HTTP_VERSION", raising=False)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+
+
 @pytest.fixture
 def t(daemon):
     with daemon.client() as c:

@@ -127,7 +127,8 @@ pub struct NewSandbox {
     auto_pause_memory: Option<bool>,
     #[serde(default)]
     auto_resume: Option<AutoResume>,
-    #[serde(default)]
+    // E2B's own document spells this one in snake case.
+    #[serde(default, alias = "allow_internet_access")]
     allow_internet_access: Option<bool>,
     #[serde(default)]
     network: Option<Value>,

@@ -73,11 +73,13 @@ async fn target(s: &Shared, headers: &HeaderMap) -> Result<Target, RpcError> {
 /// One of tined's errors on an envd path: a vm that is not there or does
 /// not run is a sandbox not found.
 fn rpc_error(id: &str, e: crate::error::ApiError) -> RpcError {
+    let m = &e.body.message;
     match e.status {
-        StatusCode::NOT_FOUND if e.body.message.contains(&format!("{id:?}")) => {
-            not_running(id, &e.body.message)
-        }
-        StatusCode::CONFLICT => not_running(id, &e.body.message),
+        // The engine's words for a vm that is not there (a path or a
+        // process the agent cannot find is a plain not_found).
+        StatusCode::NOT_FOUND if m.starts_with("no vm named") => not_running(id, m),
+        StatusCode::CONFLICT => not_running(id, m),
+        _ if m.contains("cannot reach the agent of vm") => RpcError(Code::Unavailable, m.clone()),
         _ => RpcError::from(e),
     }
 }
