@@ -1006,13 +1006,13 @@ pub async fn create_key(
 
 #[utoipa::path(delete, path = "/v1/keys/{id}", tag = "meta",
     params(("id" = String, Path, description = "The key's id or name")),
-    responses((status = 204, description = "Revoked"), (status = 403, body = ErrorBody),
+    responses((status = 200, description = "Revoked: `{\"revoked\": ID}`"), (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody)))]
 pub async fn delete_key(
     State(s): State<Shared>,
     caller: Option<axum::Extension<crate::serve::Caller>>,
     Path(id): Path<String>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<Json<serde_json::Value>> {
     owner_only(caller)?;
     if !s.keys.remove(&id)? {
         return Err(ApiError::not_found(format!(
@@ -1020,5 +1020,5 @@ pub async fn delete_key(
         )));
     }
     s.events.emit("key.revoked", &id, serde_json::json!({}));
-    Ok(StatusCode::NO_CONTENT)
+    Ok(Json(serde_json::json!({ "revoked": id })))
 }

@@ -190,8 +190,9 @@ fn daemon(
     let h = host::Host::new(home.clone(), bins);
     let state = tined::state::AppState::new(h.clone(), build_id())?;
     if tcp.is_some() && token.is_none() && state.keys.list().is_empty() {
-        anyhow::bail!(
-            "--tcp needs a way in: a token of 16 or more characters (--token-file FILE or TINED_TOKEN), or API keys (`tine keys create NAME`)"
+        // Closed until there is a way in: every TCP request is refused.
+        tracing::warn!(
+            "--tcp without a token and with no API keys: every TCP request is refused until one is made (`tine keys create NAME`)"
         );
     }
     // The subreaper: every VMM this process starts, and every fork child

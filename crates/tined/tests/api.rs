@@ -1413,30 +1413,112 @@ fn test_tcp_listener_needs_the_bearer_token() {
     // The first still answers.
     t.get("/v1/health").expect(200);
 
-    // A short token, or none, is refused at start.
+    // A short token is refused at start.
     let (_dir, home) = common::temp_home("tcp-short");
     std::fs::write(home.join("token"), "short\n").expect("token");
-    for args in [
-        vec![
+    let out = std::process::Command::new(common::tined_bin())
+        .arg("--home")
+        .arg(&home)
+        .args([
             "--tcp".to_string(),
             common::free_port().to_string(),
             "--token-file".into(),
             home.join("token").display().to_string(),
-        ],
-        vec!["--tcp".to_string(), common::free_port().to_string()],
-    ] {
-        let out = std::process::Command::new(common::tined_bin())
-            .arg("--home")
-            .arg(&home)
-            .args(&args)
-            .env("TINE_HOME", &home)
-            .env_remove("TINED_TOKEN")
-            .output()
-            .expect("tined");
-        assert!(!out.status.success(), "{args:?}");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("16 or more characters"), "{err}");
-    }
+        ])
+        .env("TINE_HOME", &home)
+        .env_remove("TINED_TOKEN")
+        .output()
+        .expect("tined");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("16 or more characters"), "{err}");
+}
+
+#[test]
+fn test_api_keys_open_the_tcp_listener() {
+    // No token: closed until the owner makes a key (over the Unix socket).
+    let t = Tined::start_tcp_keys("keys");
+    let (addr, _) = t.tcp.clone().expect("a TCP listener");
+    let tcp = common::Addr::Tcp(addr);
+    let call = |method: &str, path: &str, h: &[(&str, &str)]| {
+        common::call(&tcp, method, path, h, Vec::new()).expect("an answer")
+    };
+    call("GET", "/v1/vms", &[]).expect_error(401, "unauthorized");
+    assert!(
+        t.log().contains("every TCP request is refused"),
+        "{}",
+        t.log()
+    );
+    let made = t
+        .req(
+            "POST",
+            "/v1/keys",
+            &[],
+            json!({"name": "ci"}).to_string().into_bytes(),
+        )
+        .expect(201);
+    let key = made["key"].as_str().expect("the key").to_string();
+    assert!(key.starts_with("tine_") && made["prefix"] == key[..9]);
+    let listed = t.get("/v1/keys").expect(200);
+    assert_eq!(listed[0]["id"], made["id"]);
+    assert!(!listed.to_string().contains(&key), "the key is shown once");
+    let bearer = format!("Bearer {key}");
+    assert_eq!(
+        call("GET", "/v1/vms", &[("authorization", &bearer)]).expect(200),
+        json!([])
+    );
+    assert_eq!(
+        call("GET", "/v1/vms", &[("x-api-key", &key)]).expect(200),
+        json!([])
+    );
+    // A key does not manage keys.
+    call("GET", "/v1/keys", &[("x-api-key", &key)]).expect_error(403, "forbidden");
+    call(
+        "DELETE",
+        &format!("/v1/keys/{}", made["id"].as_str().unwrap_or("")),
+        &[("x-api-key", &key)],
+    )
+    .expect_error(403, "forbidden");
+    // Nor is a sandbox token a key: an envd token opens only its
+    // sandbox's envd paths, and a sandbox that is not there is not found.
+    let envd = [
+        ("x-access-token", key.as_str()),
+        ("e2b-sandbox-id", "sbx-none"),
+    ];
+    call("GET", "/v1/vms", &[("x-access-token", &key)]).expect_error(401, "unauthorized");
+    assert_eq!(call("GET", "/health", &envd).status, 502);
+    // Revoked: refused at once; the keys outlive a restart of tined.
+    let id = made["id"].as_str().expect("id").to_string();
+    let second = t
+        .req(
+            "POST",
+            "/v1/keys",
+            &[],
+            json!({"name": "other"}).to_string().into_bytes(),
+        )
+        .expect(201)["key"]
+        .as_str()
+        .expect("key")
+        .to_string();
+    t.req("DELETE", &format!("/v1/keys/{id}"), &[], Vec::new())
+        .expect(200);
+    call("GET", "/v1/vms", &[("x-api-key", &key)]).expect_error(401, "unauthorized");
+    t.req("DELETE", &format!("/v1/keys/{id}"), &[], Vec::new())
+        .expect_error(404, "not_found");
+    t.req(
+        "POST",
+        "/v1/keys",
+        &[],
+        json!({"name": ""}).to_string().into_bytes(),
+    )
+    .expect_error(400, "invalid_input");
+    let mode = std::fs::metadata(t.home.join("keys.json"))
+        .expect("keys.json")
+        .permissions();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.mode() & 0o777, 0o600);
+    let text = std::fs::read_to_string(t.home.join("keys.json")).expect("keys.json");
+    assert!(!text.contains(&second), "only hashes are kept");
 }
 
 // ------------------------------------------------------------------ the document

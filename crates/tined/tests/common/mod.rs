@@ -482,6 +482,22 @@ impl Tined {
         Self::start_with(tag, Some(token))
     }
 
+    /// tined with a TCP listener and no token: only API keys open it.
+    pub fn start_tcp_keys(tag: &str) -> Tined {
+        let (dir, home) = temp_home(tag);
+        let a = free_port();
+        let child = spawn(&home, &["--tcp".to_string(), a.to_string()]);
+        let mut t = Tined {
+            addr: Addr::Unix(home.join("tined.sock")),
+            home,
+            _dir: dir,
+            child: Some(child),
+            tcp: Some((a, String::new())),
+        };
+        t.wait_healthy();
+        t
+    }
+
     fn start_with(tag: &str, token: Option<&str>) -> Tined {
         let (dir, home) = temp_home(tag);
         let mut args: Vec<String> = Vec::new();
