@@ -8,8 +8,14 @@ CLI for the same work. Medians; the last line is `name=value` pairs.
              are the SDK's p50 minus raw's (the target: ≤ 0.2 ms)
   fork       fork into K children (micro guest: until they run; --linux:
              until each child's first command answered), then rm, via
-             the SDK and via `tine fork`, interleaved
-  tti        --linux: run → first command's result, SDK vs CLI
+             the SDK and via `tine fork`, interleaved; --linux adds the
+             unmodified e2b SDK (`sbx.fork(count=K)`, then
+             `commands.run` in each child) against the same tined
+  tti        --linux: run → first command's result, SDK vs CLI vs e2b
+             (`Sandbox.create()` then `commands.run`)
+
+--linux uses the debian image for all three (E2B's commands need bash),
+512 MiB, tined's TCP listener with an API key for e2b.
 """
 
 import argparse
@@ -68,6 +74,53 @@ class RawHttp:
         return self.f.read(n)
 
 
+class E2b:
+    """The unmodified e2b SDK against this tined's TCP listener, with an
+    API key the bench makes over the Unix socket (as `tine keys create`)."""
+
+    def __init__(self, sock, port):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://t") as c:
+            key = c.post("/v1/keys", json={"name": "bench"}).json()["key"]
+        url = f"http://127.0.0.1:{port}"
+        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=key)
+        from e2b import Sandbox
+
+        self.Sandbox = Sandbox
+        self.parent = Sandbox.create(timeout=86400)
+
+    def fork(self, k):
+        """Fork → the first command's result in every child; then kill them."""
+        kids = []
+
+        def f():
+            nonlocal kids
+            kids = self.parent.fork(count=k, timeout=3600)
+            assert all(isinstance(x, self.Sandbox) for x in kids), kids
+            for x in kids:
+                x.commands.run("hostname")
+
+        took = ms(f)
+        for x in kids:
+            x.kill()
+        return took
+
+    def tti(self):
+        """Create → the first command's result; then kill."""
+        sbx = None
+
+        def f():
+            nonlocal sbx
+            sbx = self.Sandbox.create(timeout=3600)
+            sbx.commands.run("hostname")
+
+        took = ms(f)
+        sbx.kill()
+        return took
+
+    def close(self):
+        self.parent.kill()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
@@ -79,7 +132,11 @@ def main():
     cache = Path(os.environ.get("TINE_HOME") or os.path.expanduser("~/.cache/tine"))
     (home / "images").symlink_to(cache / "images")
     env = dict(os.environ, TINE_HOME=str(home), TINE_MACHINE="never")
-    tined = subprocess.Popen([str(TARGET / "tined"), "--home", str(home), "--idle-exit", "0"],
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tcp = ["--tcp", f"127.0.0.1:{port}"] if a.linux else []
+    tined = subprocess.Popen([str(TARGET / "tined"), "--home", str(home), "--idle-exit", "0", *tcp],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     sock = str(home / "tined.sock")
     out = {}
@@ -96,8 +153,10 @@ def main():
         def tine_cli(*args):
             subprocess.run([cli, *args], env=env, check=True, stdout=subprocess.DEVNULL)
 
-        image = "minimal" if a.linux else "micro-counter"
-        parent = t.run(image=image, mem="256M", name="p")
+        image = "debian" if a.linux else "micro-counter"
+        mem = "512M" if a.linux else "256M"
+        parent = t.run(image=image, mem=mem, name="p")
+        e2b = E2b(sock, port) if a.linux else None
 
         if not a.linux:
             raw = RawHttp(sock)
@@ -140,8 +199,10 @@ def main():
             return names
 
         for k in (1, 10):
-            s, c = [], []
+            s, c, e = [], [], []
             for _ in range(a.forks if k == 1 else max(3, a.forks // 3)):
+                if e2b:
+                    e.append(e2b.fork(k))
                 kids = None
 
                 def f():
@@ -163,23 +224,32 @@ def main():
             out[f"fork{k}_sdk_ms"], out[f"fork{k}_cli_ms"] = med(s), med(c)
             out[f"fork{k}_cli_over_sdk"] = med(c) / med(s)
             what = "first answer in every child" if a.linux else "children running"
-            print(f"fork K={k} → {what}: SDK {med(s):.1f} ms, CLI {med(c):.1f} ms (p50 of {len(s)})")
+            also = ""
+            if e:
+                out[f"fork{k}_e2b_ms"] = med(e)
+                out[f"fork{k}_e2b_over_cli"] = med(e) / med(c)
+                also = f", e2b SDK {med(e):.1f} ms"
+            print(f"fork K={k} → {what}: SDK {med(s):.1f} ms, CLI {med(c):.1f} ms{also} (p50 of {len(s)})")
 
         if a.linux:
-            s, c = [], []
+            s, c, e = [], [], []
             for i in range(3):
                 def f():
-                    with t.run(image="minimal", mem="256M", name=f"s{i}") as v:
+                    with t.run(image=image, mem=mem, name=f"s{i}") as v:
                         v.exec(first)
                 s.append(ms(f))
 
                 def g():
-                    tine_cli("run", "--name", f"r{i}")
+                    tine_cli("run", "--name", f"r{i}", "--image", image, "--mem", mem)
                     tine_cli("exec", f"r{i}", "--", first)
                 c.append(ms(g))
                 tine_cli("rm", "--force", f"r{i}")
-            out.update(tti_sdk_ms=med(s), tti_cli_ms=med(c), tti_cli_over_sdk=med(c) / med(s))
-            print(f"time to interactive (run → first result): SDK {med(s):.0f} ms, CLI {med(c):.0f} ms (p50 of 3)")
+                e.append(e2b.tti())
+            out.update(tti_sdk_ms=med(s), tti_cli_ms=med(c), tti_e2b_ms=med(e),
+                       tti_cli_over_sdk=med(c) / med(s), tti_e2b_over_cli=med(e) / med(c))
+            print(f"time to interactive (run → first result): SDK {med(s):.0f} ms, CLI {med(c):.0f} ms, "
+                  f"e2b SDK {med(e):.0f} ms (p50 of 3)")
+            e2b.close()
         parent.rm()
     finally:
         tined.terminate()

@@ -198,6 +198,32 @@ def test_what_is_not_supported_says_so():
     assert [s for s in Sandbox.list().next_items()] == []
 
 
+def test_envd_answers_fast_where_it_cannot_serve():
+    """PTYs and directory watches are not supported; a micro guest has no
+    agent, so its commands and files fail at once, saying why."""
+    from e2b import PtySize, Sandbox
+    from e2b.exceptions import SandboxException
+
+    sbx = Sandbox.create(template=MICRO, timeout=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SandboxException) as e:
+            sbx.pty.create(PtySize(rows=24, cols=80))
+        assert "PTY" in str(e.value)
+        with pytest.raises(SandboxException) as e:
+            sbx.files.watch_dir("/tmp")
+        assert "watching directories" in str(e.value)
+        with pytest.raises(SandboxException) as e:
+            sbx.commands.run("true")
+        assert "agent" in str(e.value)
+        with pytest.raises(SandboxException) as e:
+            sbx.files.read("/etc/hostname")
+        assert "agent" in str(e.value)
+        assert time.monotonic() - t0 < 10
+    finally:
+        sbx.kill()
+
+
 def test_keys_are_checked(monkeypatch):
     from e2b import Sandbox
     from e2b.exceptions import AuthenticationException
