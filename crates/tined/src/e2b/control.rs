@@ -901,7 +901,7 @@ pub async fn list_snapshots(
         .filter(|r| {
             q.name
                 .as_ref()
-                .is_none_or(|n| &r.id == n.split(':').next().unwrap_or(n))
+                .is_none_or(|n| r.id == n.split(':').next().unwrap_or(n))
         })
         .map(snapshot_json)
         .collect();
