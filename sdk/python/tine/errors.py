@@ -58,6 +58,12 @@ class Unauthorized(TineError):
     code = "unauthorized"
 
 
+class Forbidden(TineError):
+    """The token is valid but may not do this (an API key managing keys)."""
+
+    code = "forbidden"
+
+
 class Unavailable(TineError):
     """tined is not reachable, or is restarting."""
 
@@ -72,7 +78,7 @@ class Internal(TineError):
 
 _BY_CODE = {
     c.code: c
-    for c in (InvalidInput, NotFound, Conflict, Busy, Failed, Unauthorized, Internal)
+    for c in (InvalidInput, NotFound, Conflict, Busy, Failed, Unauthorized, Forbidden, Internal)
 }
 _BY_CODE["restarting"] = Unavailable
 _BY_CODE["method_not_allowed"] = InvalidInput

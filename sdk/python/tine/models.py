@@ -191,6 +191,42 @@ class Entry:
 
 
 @dataclass
+class ProcessInfo:
+    """A command the guest's agent runs (`vm.processes()`)."""
+
+    pid: int
+    argv: List[str]
+    keep: bool
+    stdin: bool
+    tag: Optional[str] = None
+    env: List[Any] = field(default_factory=list)
+    cwd: Optional[str] = None
+    user: Optional[str] = None
+
+
+@dataclass
+class Signalled:
+    delivered: bool
+
+
+@dataclass
+class KeyInfo:
+    """An API key as tined lists it (never the key itself)."""
+
+    id: str
+    name: str
+    created_ms: int
+    prefix: str
+
+
+@dataclass
+class NewKey(KeyInfo):
+    """A key just made: `key` is shown this once."""
+
+    key: str
+
+
+@dataclass
 class Operation:
     id: str
     kind: str
@@ -240,6 +276,10 @@ SCHEMAS: Dict[type, str] = {
         Lineage,
         LineageEffects,
         Entry,
+        ProcessInfo,
+        Signalled,
+        KeyInfo,
+        NewKey,
         Operation,
         Health,
     )
