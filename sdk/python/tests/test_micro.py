@@ -198,3 +198,98 @@ def test_a_restarted_tined_is_found_again(tmp_path):
         t.close()
         p.terminate()
         p.wait(30)
+
+
+def test_api_keys(t, daemon):
+    k = t.create_key("sdk-test")
+    assert k.key and k.key.startswith(k.prefix) and k.name == "sdk-test"
+    assert k.id in {i.id for i in t.keys()}
+    assert all(not hasattr(i, "key") for i in t.keys()), "a listed key never shows its secret"
+    # The key opens the TCP listener, but not key management.
+    with tine.Tine(url=daemon.url, token=k.key) as kt:
+        assert kt.health().ok
+        with pytest.raises(tine.Forbidden) as e:
+            kt.keys()
+        assert e.value.status == 403
+        with pytest.raises(tine.Forbidden):
+            kt.create_key("more")
+        t.delete_key(k)
+        with pytest.raises(tine.Unauthorized):
+            kt.health()
+    assert k.id not in {i.id for i in t.keys()}
+    with pytest.raises(tine.NotFound):
+        t.delete_key(k.id)
+    with pytest.raises(tine.InvalidInput):
+        t.create_key("")
+    # By name too.
+    t.create_key("by-name")
+    t.delete_key("by-name")
+    assert "by-name" not in {i.name for i in t.keys()}
+
+
+async def test_async_api_keys(at):
+    k = await at.create_key("sdk-async")
+    assert k.id in {i.id for i in await at.keys()}
+    await at.delete_key(k.id)
+    assert k.id not in {i.id for i in await at.keys()}
+
+
+def quick(fn, within=10.0):
+    """`fn()`'s exception (or None), failing if it takes longer than `within` s."""
+    import threading
+
+    got = []
+
+    def run():
+        try:
+            fn()
+            got.append(None)
+        except Exception as e:
+            got.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(within)
+    assert got, f"{fn} still waits after {within} s"
+    return got[0]
+
+
+def test_kept_commands_without_agent_are_clear_errors(t):
+    """Micro guests have no agent: every call of kept commands (and
+    files.move) answers at once, typed, saying so; none hangs."""
+    with t.run(image="micro-counter", mem="64M") as vm:
+        p = vm.process(5)
+        calls = {
+            "spawn": lambda: vm.spawn(["sleep", "9"], stdin=True, tag="x"),
+            "processes": vm.processes,
+            "follow": p.wait,
+            "lines": lambda: next(p.lines()),
+            "write": lambda: p.write(b"in"),
+            "close_stdin": p.close_stdin,
+            "signal": lambda: p.signal("TERM"),
+            "kill": p.kill,
+            "move": lambda: vm.files.move("/a", "/b"),
+        }
+        for name, fn in calls.items():
+            e = quick(fn)
+            assert isinstance(e, tine.InvalidInput), (name, e)
+            assert e.status == 400 and "agent" in e.message, (name, e.message)
+        # What is wrong with the request is said before the vm is asked.
+        e = quick(lambda: p.signal("NOPE"))
+        assert isinstance(e, tine.InvalidInput) and "signal" in e.message
+        with pytest.raises(tine.InvalidInput):
+            vm.process(-1)
+    # A vm that is gone.
+    e = quick(lambda: t.vm(vm.name).spawn("true"))
+    assert isinstance(e, (tine.NotFound, tine.Conflict)), e
+    e = quick(lambda: t.vm(vm.name).process(5).wait())
+    assert isinstance(e, (tine.NotFound, tine.Conflict)), e
+
+
+async def test_async_kept_commands_without_agent(at):
+    async with await at.run(image="micro-counter", mem="64M") as vm:
+        p = vm.process(5)
+        for call in (vm.spawn("true"), vm.processes(), p.wait(), p.write("x"), p.kill(), vm.files.move("/a", "/b")):
+            with pytest.raises(tine.InvalidInput) as e:
+                await asyncio.wait_for(call, 10)
+            assert "agent" in e.value.message

@@ -10,14 +10,14 @@
 
 from . import errors, models
 from ._core import Child, ExecEvent
-from .aio import AsyncBranch, AsyncCheckpoint, AsyncChildren, AsyncTine, AsyncVm
-from .client import Branch, Checkpoint, Children, Files, Tine, Vm
-from .errors import Busy, Conflict, Failed, InvalidInput, NotFound, TineError, Unauthorized, Unavailable
+from .aio import AsyncBranch, AsyncCheckpoint, AsyncChildren, AsyncFiles, AsyncProcess, AsyncTine, AsyncVm
+from .client import Branch, Checkpoint, Children, Files, Process, Tine, Vm
+from .errors import Busy, Conflict, Failed, Forbidden, InvalidInput, NotFound, TineError, Unauthorized, Unavailable
 
 __all__ = [
-    "Tine", "Vm", "Files", "Checkpoint", "Branch", "Children", "Child", "ExecEvent",
-    "AsyncTine", "AsyncVm", "AsyncCheckpoint", "AsyncBranch", "AsyncChildren",
+    "Tine", "Vm", "Files", "Process", "Checkpoint", "Branch", "Children", "Child", "ExecEvent",
+    "AsyncTine", "AsyncVm", "AsyncFiles", "AsyncProcess", "AsyncCheckpoint", "AsyncBranch", "AsyncChildren",
     "TineError", "InvalidInput", "NotFound", "Conflict", "Busy", "Failed",
-    "Unauthorized", "Unavailable", "errors", "models",
+    "Unauthorized", "Forbidden", "Unavailable", "errors", "models",
 ]
 __version__ = "0.1.0"

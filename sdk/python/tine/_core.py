@@ -159,8 +159,11 @@ def exec_body(
     env: Optional[Mapping[str, str]],
     cwd: Optional[str],
     timeout: Optional[float],
-    stdin: Union[bytes, str, None],
+    stdin: Union[bytes, str, bool, None],
+    user: Optional[str] = None,
 ) -> Dict[str, Any]:
+    """An ExecSpec. `stdin`: the whole input (bytes or text), or True to
+    keep it open for later input (a kept command's `write`)."""
     if isinstance(argv, str):
         argv = ["sh", "-c", argv]
     body: Dict[str, Any] = {"argv": list(argv)}
@@ -170,11 +173,55 @@ def exec_body(
         body["cwd"] = cwd
     if timeout is not None:
         body["timeout_s"] = timeout
-    if stdin is not None:
+    if user is not None:
+        body["user"] = user
+    if stdin is True:
+        body["open_stdin"] = True
+    elif stdin is not None and stdin is not False:
         if isinstance(stdin, str):
             stdin = stdin.encode()
         body["stdin_b64"] = base64.b64encode(stdin).decode()
     return body
+
+
+def spawn_body(
+    argv: Union[str, Sequence[str]],
+    env: Optional[Mapping[str, str]],
+    cwd: Optional[str],
+    timeout: Optional[float],
+    stdin: Union[bytes, str, bool, None],
+    user: Optional[str],
+    tag: Optional[str],
+) -> Dict[str, Any]:
+    """The ExecSpec of a kept command (the agent's: it outlives the
+    request, a sleep and a fork)."""
+    body = exec_body(argv, env, cwd, timeout, stdin, user)
+    body["keep"] = True
+    if tag is not None:
+        body["tag"] = tag
+    return body
+
+
+#: Asks for the streamed form of an exec (NDJSON, one ExecEvent a line).
+NDJSON = {"Accept": "application/x-ndjson"}
+
+
+def pid_of(pid: Any) -> int:
+    """A guest pid from a pid or a `ProcessInfo`."""
+    pid = getattr(pid, "pid", pid)
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise errors.InvalidInput(f"{pid!r} is not a guest pid (a positive number)", code="invalid_input")
+    return pid
+
+
+def signal_value(sig: Any) -> Union[int, str]:
+    """A signal as tined takes it: a number (`signal.SIGTERM`, 15) or a
+    name (`"TERM"`, `"SIGKILL"`)."""
+    if isinstance(sig, str):
+        return sig.upper()
+    if isinstance(sig, int) and not isinstance(sig, bool):
+        return int(sig)
+    raise errors.InvalidInput(f"{sig!r} is not a signal (a number, or a name like TERM)", code="invalid_input")
 
 
 def fork_body(n: Optional[int], names: Optional[Sequence[str]], contract: Optional[str]) -> Dict[str, Any]:
@@ -190,13 +237,15 @@ def fork_body(n: Optional[int], names: Optional[Sequence[str]], contract: Option
 
 @dataclass
 class ExecEvent:
-    """One event of a streamed exec: `stdout`/`stderr` with `data`, or `exit`."""
+    """One event of a streamed exec: `stdout`/`stderr` with `data`, or
+    `exit`; a kept command's stream starts with `started` (its `pid`)."""
 
     type: str
     data: bytes = b""
     exit_code: Optional[int] = None
     signal: Optional[int] = None
     timed_out: bool = False
+    pid: Optional[int] = None
 
     @property
     def text(self) -> str:
@@ -210,6 +259,8 @@ def exec_event(line: str) -> ExecEvent:
         return ExecEvent(kind, base64.b64decode(ev.get("data_b64", "")))
     if kind == "exit":
         return ExecEvent("exit", exit_code=ev.get("exit_code"), signal=ev.get("signal"), timed_out=bool(ev.get("timed_out")))
+    if kind == "started":
+        return ExecEvent("started", pid=ev.get("pid"))
     err = ev.get("error") or {}
     raise errors.from_answer(500, err, f"exec failed: {line[:200]}")
 
@@ -230,6 +281,70 @@ class Lines:
         out = [(k, v.decode(errors="replace")) for k, v in self.partial.items() if v]
         self.partial = {"stdout": b"", "stderr": b""}
         return out
+
+
+class Followed:
+    """A kept command as one handle follows it (what `Process` and
+    `AsyncProcess` share, without the waiting): its events parsed, its
+    output kept for `wait()`, its lines split, its end."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.out = bytearray()
+        self.err = bytearray()
+        self.split = Lines()
+        self.end: Optional[ExecEvent] = None
+
+    def started(self, line: str) -> int:
+        """The pid of a stream's first line (`started`), or the stream's error raised."""
+        ev = exec_event(line)
+        if ev.type != "started" or ev.pid is None:
+            raise errors.Failed(f"the command's stream did not start with its pid: {line[:200]}", code="failed")
+        return ev.pid
+
+    def event(self, line: str) -> Optional[ExecEvent]:
+        """The event of a stream's line (None for `started` and blank
+        lines), its output kept; an `error` event raised."""
+        if not line.strip():
+            return None
+        ev = exec_event(line)
+        if ev.type == "stdout":
+            self.out += ev.data
+        elif ev.type == "stderr":
+            self.err += ev.data
+        elif ev.type == "exit":
+            self.end = ev
+        else:
+            return None
+        return ev
+
+    def lines(self, ev: ExecEvent) -> List[tuple]:
+        """`ev` as whole lines: `("stdout", text)`, `("stderr", text)`, and
+        last `("exit", exit_code)`."""
+        if ev.type == "exit":
+            return self.split.rest() + [("exit", ev.exit_code)]
+        return self.split.feed(ev)
+
+    def result(self) -> models.ExecResult:
+        assert self.end is not None
+        out, err = bytes(self.out), bytes(self.err)
+        return models.ExecResult(
+            exit_code=self.end.exit_code if self.end.exit_code is not None else -1,
+            timed_out=self.end.timed_out,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            stdout_b64=base64.b64encode(out).decode(),
+            stderr_b64=base64.b64encode(err).decode(),
+            signal=self.end.signal,
+        )
+
+
+def not_followed(pid: int) -> errors.Failed:
+    return errors.Failed(
+        f"the stream of pid {pid} ended before its exit (the vm slept, stopped or was removed?); "
+        "follow it again with vm.process(pid)",
+        code="failed",
+    )
 
 
 @dataclass

@@ -145,6 +145,20 @@ class Tine:
     def gc(self) -> Dict[str, Any]:
         return self._operation(Call("POST", "/v1/gc"))
 
+    # -- API keys (the host's owner only) ----------------------------------
+
+    def keys(self) -> List[models.KeyInfo]:
+        """The API keys tined issued (for its TCP listener)."""
+        return self._do(Call("GET", "/v1/keys", model=models.KeyInfo, many=True))
+
+    def create_key(self, name: str) -> models.NewKey:
+        """A new API key; its `.key` is shown this once."""
+        return self._do(Call("POST", "/v1/keys", json={"name": name}, model=models.NewKey))
+
+    def delete_key(self, key: Union[str, models.KeyInfo]) -> None:
+        """Revokes a key (its id or name, or a `KeyInfo`): refused at once."""
+        self._do(Call("DELETE", f"/v1/keys/{seg(getattr(key, 'id', key))}"))
+
 
 class Vm:
     """A vm. As a context manager, a vm this client made (run, wake, fork)
@@ -187,9 +201,11 @@ class Vm:
         cwd: Optional[str] = None,
         timeout: Optional[float] = None,
         stdin: Union[bytes, str, None] = None,
+        user: Optional[str] = None,
     ) -> models.ExecResult:
-        """Runs a command (a list, or a string for `sh -c`) to its end."""
-        body = _core.exec_body(argv, env, cwd, timeout, stdin)
+        """Runs a command (a list, or a string for `sh -c`) to its end
+        (as `user`, default root)."""
+        body = _core.exec_body(argv, env, cwd, timeout, stdin, user)
         wait = None if timeout is None else timeout + 30
         return self._t._do(Call("POST", f"{self._p}/exec", json=body, model=models.ExecResult), wait)
 
@@ -201,15 +217,15 @@ class Vm:
         cwd: Optional[str] = None,
         timeout: Optional[float] = None,
         stdin: Union[bytes, str, None] = None,
+        user: Optional[str] = None,
     ) -> Iterator[ExecEvent]:
         """Runs a command and yields its output as it comes (`ExecEvent`s:
-        stdout, stderr, then one `exit`)."""
-        body = _core.exec_body(argv, env, cwd, timeout, stdin)
+        stdout, stderr, then one `exit`). The command ends with the stream;
+        for input as it goes, or one that outlives the stream, `spawn`."""
+        body = _core.exec_body(argv, env, cwd, timeout, stdin, user)
         path = f"{self._p}/exec"
         try:
-            with self._t._http.stream(
-                "POST", path, json=body, headers={"Accept": "application/x-ndjson"}, timeout=None
-            ) as res:
+            with self._t._http.stream("POST", path, json=body, headers=_core.NDJSON, timeout=None) as res:
                 if res.status_code >= 400:
                     res.read()
                     _core.answer(Call("POST", path), res)
@@ -229,6 +245,38 @@ class Vm:
                 yield ("exit", ev.exit_code)
             else:
                 yield from split.feed(ev)
+
+    def spawn(
+        self,
+        argv: Union[str, Sequence[str]],
+        *,
+        stdin: Union[bool, bytes, str, None] = None,
+        tag: Optional[str] = None,
+        user: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> "Process":
+        """Starts a command in the background and returns its `Process`
+        once it runs. The guest's agent keeps it: it runs on when this
+        client leaves, through a sleep and a wake, and in every child of a
+        fork. `stdin=True` keeps its stdin open for `write`; `tag` names
+        it among the vm's commands; `timeout` kills it after so many
+        seconds. Its output is followed from the start."""
+        body = _core.spawn_body(argv, env, cwd, timeout, stdin, user, tag)
+        p = Process(self, 0, owned=True)
+        p._open("POST", f"{self._p}/exec", body)
+        return p
+
+    def process(self, pid: Union[int, models.ProcessInfo]) -> "Process":
+        """A handle on a running command (a pid, or one of `processes()`),
+        e.g. in a fork's child or after a wake. No request made: reading
+        follows its output from then on."""
+        return Process(self, _core.pid_of(pid))
+
+    def processes(self) -> List[models.ProcessInfo]:
+        """The commands the guest's agent runs."""
+        return self._t._do(Call("GET", f"{self._p}/processes", model=models.ProcessInfo, many=True))
 
     def console(self) -> str:
         return self._t._do(Call("GET", f"{self._p}/console", raw=True)).text
@@ -303,6 +351,140 @@ class Vm:
         return self._t._do(Call("GET", f"{self._p}/effects", model=models.LineageEffects))
 
 
+class Process:
+    """A command the guest's agent keeps (`vm.spawn`, `vm.process`).
+    Iterating gives its `ExecEvent`s as they come (stdout, stderr, then
+    `exit`); `lines()` the same by whole lines; `wait()` its end as an
+    `ExecResult` (with the output this handle saw). The handle follows
+    the command on a stream of its own, from `spawn` (or the first read)
+    until the exit or `detach()`; a command nobody follows runs on and
+    its output is dropped. As a context manager, a command this handle
+    spawned is killed on exit if it still runs."""
+
+    def __init__(self, vm: Vm, pid: int, *, owned: bool = False):
+        self.vm = vm
+        self.pid = pid
+        self._owned = owned
+        self._f = _core.Followed(pid)
+        self._res: Any = None
+        self._lines: Optional[Iterator[str]] = None
+
+    def __repr__(self) -> str:
+        return f"Process({self.vm.name}:{self.pid})"
+
+    @property
+    def _p(self) -> str:
+        return f"{self.vm._p}/processes/{self.pid}"
+
+    def _open(self, method: str, path: str, body: Any = None) -> None:
+        """Opens the stream of the command's events; its first is `started`."""
+        t = self.vm._t
+        try:
+            # Entered by hand: the stream outlives this call (httpx's is a context manager).
+            cm = t._http.stream(method, path, json=body, headers=_core.NDJSON, timeout=None)
+            res = cm.__enter__()
+            self._res = cm
+            if res.status_code >= 400:
+                res.read()
+                _core.answer(Call(method, path), res)
+            self._lines = res.iter_lines()
+            first = ""
+            while not first.strip():
+                first = next(self._lines, None)
+                if first is None:
+                    raise _core.not_followed(self.pid)
+            self.pid = self._f.pid = self._f.started(first)
+        except BaseException as e:
+            self.detach()
+            if isinstance(e, t._errors):
+                raise _core.unreachable(t._ep, e) from e
+            raise
+
+    def __iter__(self) -> Iterator[ExecEvent]:
+        t = self.vm._t
+        while self._f.end is None:
+            if self._lines is None:
+                self._open("GET", f"{self._p}/output")
+            assert self._lines is not None
+            try:
+                line = next(self._lines, None)
+                if line is None:
+                    raise _core.not_followed(self.pid)
+                ev = self._f.event(line)
+            except BaseException as e:
+                self.detach()
+                if isinstance(e, t._errors):
+                    raise _core.unreachable(t._ep, e) from e
+                raise
+            if ev is not None:
+                if ev.type == "exit":
+                    self._drain()
+                yield ev
+
+    def lines(self) -> Iterator[Tuple[str, Any]]:
+        """Its output by whole lines as it comes: `("stdout", text)`,
+        `("stderr", text)`, and last `("exit", exit_code)`."""
+        for ev in self:
+            yield from self._f.lines(ev)
+
+    def wait(self) -> models.ExecResult:
+        """Waits for its end: its exit code and the output this handle saw."""
+        for _ in self:
+            pass
+        return self._f.result()
+
+    def write(self, data: Union[bytes, str]) -> None:
+        """Writes to its stdin (it was spawned with `stdin=True`)."""
+        if isinstance(data, str):
+            data = data.encode()
+        call = Call("POST", f"{self._p}/stdin", content=data, headers={"Content-Type": "application/octet-stream"})
+        self.vm._t._do(call)
+
+    def close_stdin(self) -> None:
+        """Closes its stdin: it reads EOF."""
+        call = Call("POST", f"{self._p}/stdin", params={"close": True}, content=b"",
+                    headers={"Content-Type": "application/octet-stream"})
+        self.vm._t._do(call)
+
+    def signal(self, sig: Union[int, str]) -> bool:
+        """Sends a signal (`signal.SIGTERM`, 15 or `"TERM"`) to its process
+        group; False when it had just ended."""
+        call = Call("POST", f"{self._p}/signal", json={"signal": _core.signal_value(sig)}, model=models.Signalled)
+        return self.vm._t._do(call).delivered
+
+    def kill(self) -> bool:
+        """SIGKILL to its process group; False when it had just ended."""
+        return self.signal("KILL")
+
+    def detach(self) -> None:
+        """Stops following it; the command runs on."""
+        res, self._res, self._lines = self._res, None, None
+        if res is not None:
+            res.__exit__(None, None, None)
+
+    def _drain(self) -> None:
+        """After the exit: the stream's end (so its connection is kept)."""
+        try:
+            for _ in self._lines or ():
+                pass
+        except self.vm._t._errors:
+            pass
+        self.detach()
+
+    def __enter__(self) -> "Process":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._owned and self._f.end is None:
+                try:
+                    self.kill()
+                except errors.NotFound:
+                    pass
+        finally:
+            self.detach()
+
+
 class Children(list):
     """A fork's children (`Child` each). As a context manager, the children
     that run are removed on exit."""
@@ -366,6 +548,11 @@ class Files:
 
     def make_dir(self, path: str) -> bool:
         return self._vm._t._do(Call("POST", self._p("/dir"), params={"path": path}))["changed"]
+
+    def move(self, src: str, dst: str) -> models.Entry:
+        """Renames `src` to `dst` (its missing parents are made); the moved entry."""
+        call = Call("POST", self._p("/move"), json={"from": src, "to": dst}, model=models.Entry)
+        return self._vm._t._do(call)
 
 
 class Checkpoint:
