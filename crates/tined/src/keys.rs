@@ -5,8 +5,6 @@
 //! management, which only the host's owner does (the Unix socket, or the
 //! token tined was started with).
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -85,28 +83,12 @@ impl Keys {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Writes the list: a new file (0600 from its creation) renamed over
-    /// the old one.
+    /// Writes the list (0600, whole or not at all).
     fn save(&self, keys: &[Stored]) -> host::Result<()> {
-        let fail = |e: std::io::Error| {
-            host::Error::failed(format!("cannot write {}: {e}", self.path.display()))
-        };
-        let tmp = self
-            .path
-            .with_extension(format!("tmp.{}", std::process::id()));
         let bytes = serde_json::to_vec_pretty(keys)
             .map_err(|e| host::Error::failed(format!("cannot encode the keys: {e}")))?;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(fail)?;
-        f.write_all(&bytes)
-            .and_then(|()| f.sync_all())
-            .map_err(fail)?;
-        std::fs::rename(&tmp, &self.path).map_err(fail)
+        crate::state::write_private(&self.path, &bytes)
+            .map_err(|e| host::Error::failed(format!("cannot write {}: {e}", self.path.display())))
     }
 
     /// Issues a key named `name`.

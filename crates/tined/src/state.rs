@@ -69,6 +69,23 @@ impl AppState {
     }
 }
 
+/// Writes a file only its owner may read (mode 0600 from its creation,
+/// whatever the umask), whole or not at all: a new file renamed over the
+/// old one. For tined's files that hold secrets (keys, envd tokens).
+pub fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(bytes).and_then(|()| f.sync_all())?;
+    std::fs::rename(&tmp, path)
+}
+
 /// A JSON body, parsed with a clear error (and a size limit).
 pub struct JsonBody<T>(pub T);
 

@@ -146,13 +146,21 @@ impl Records {
         lock(&self.busy).contains(id)
     }
 
+    /// Writes a record: 0600 in a 0700 directory (a sandbox's holds its
+    /// envd token).
     fn write<T: Serialize>(&self, kind: &str, id: &str, r: &T) -> host::Result<()> {
+        use std::os::unix::fs::DirBuilderExt;
         let dir = self.dir.join(kind);
-        std::fs::create_dir_all(&dir)
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
             .map_err(|e| host::Error::failed(format!("cannot create {}: {e}", dir.display())))?;
         let bytes = serde_json::to_vec_pretty(r)
             .map_err(|e| host::Error::failed(format!("cannot encode the {kind} record: {e}")))?;
-        host::state::write_atomic(&dir.join(format!("{id}.json")), &bytes)
+        let path = dir.join(format!("{id}.json"));
+        crate::state::write_private(&path, &bytes)
+            .map_err(|e| host::Error::failed(format!("cannot write {}: {e}", path.display())))
     }
 
     fn erase(&self, kind: &str, id: &str) {
@@ -263,6 +271,16 @@ mod tests {
             created_ms: 3,
         })
         .expect("snapshot");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &str| {
+            std::fs::metadata(home.join(p))
+                .expect("exists")
+                .permissions()
+                .mode()
+                & 0o777
+        };
+        assert_eq!(mode("e2b/sandboxes/sbx-a.json"), 0o600);
+        assert_eq!(mode("e2b/sandboxes"), 0o700);
         std::fs::write(home.join("e2b/sandboxes/junk.json"), b"{not json").expect("junk");
         let again = Records::open(&home);
         let ids: Vec<_> = again.sandboxes().into_iter().map(|s| s.id).collect();
