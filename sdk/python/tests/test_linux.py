@@ -74,6 +74,95 @@ def test_fork_children_are_new_computers(vm):
         assert isinstance(kids[0].vm.effects(), tine.models.LineageEffects)
 
 
+def test_spawn_with_stdin_lines_as_they_come(vm):
+    sh = 'while read l; do echo "got $l"; done; echo bye >&2'
+    with vm.spawn(sh, stdin=True, tag="echo") as p:
+        assert p.pid > 1
+        info = {i.pid: i for i in vm.processes()}[p.pid]
+        assert (info.tag, info.keep, info.stdin, info.argv) == ("echo", True, True, ["sh", "-c", sh])
+        lines = p.lines()
+        p.write("a\n")
+        assert next(lines) == ("stdout", "got a")   # before stdin ends: as it comes
+        p.write(b"b\n")
+        assert next(lines) == ("stdout", "got b")
+        p.close_stdin()
+        assert sorted(lines) == [("exit", 0), ("stderr", "bye")]
+        r = p.wait()
+        assert (r.ok, r.stdout, r.stderr) == (True, "got a\ngot b\n", "bye\n")
+    assert p.pid not in {i.pid for i in vm.processes()}
+    # Input given whole, a timeout, and a user the guest lacks.
+    assert vm.spawn(["cat"], stdin="whole").wait().stdout == "whole"
+    assert vm.spawn(["sleep", "10"], timeout=0.5).wait().timed_out
+    # (The minimal image has no /etc/passwd: the agent's message is about that file.)
+    with pytest.raises(tine.Failed) as e:
+        vm.spawn(["true"], user="nobody-here")
+    assert "cannot run" in e.value.message
+
+
+def test_signal_and_files_move(vm):
+    sh = 'trap "echo term; exit 3" TERM; echo ready; while :; do sleep 0.1; done'
+    p = vm.spawn(sh)
+    assert next(p.lines()) == ("stdout", "ready")
+    assert p.signal("TERM") is True
+    r = p.wait()
+    assert (r.exit_code, r.stdout) == (3, "ready\nterm\n")
+    with pytest.raises(tine.NotFound):
+        p.signal(15)
+    with pytest.raises(tine.NotFound):
+        vm.process(p.pid).wait()
+    vm.files.write("/tmp/mv-a", b"moved")
+    e = vm.files.move("/tmp/mv-a", "/tmp/mv/sub/b")
+    assert (e.path, e.name, e.size, e.kind) == ("/tmp/mv/sub/b", "b", 5, "file")
+    assert vm.files.read("/tmp/mv/sub/b") == b"moved" and not vm.files.exists("/tmp/mv-a")
+    with pytest.raises(tine.NotFound):
+        vm.files.move("/tmp/mv-a", "/tmp/mv-c")
+
+
+def count_from(p, n=3):
+    """The next `n` numbers a counter prints, read as they come."""
+    got = []
+    for kind, line in p.lines():
+        assert kind == "stdout", (kind, line)
+        got.append(int(line))
+        if len(got) == n:
+            return got
+    raise AssertionError(f"the counter ended: {got}")
+
+
+def test_kept_counter_survives_sleep_wake_and_fork(daemon, vm):
+    t = daemon.client()
+    counter = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"
+    p = vm.spawn(counter, tag="counter")
+    before = count_from(p)
+    assert before == sorted(before)
+    follower = vm.process(p.pid)
+    assert count_from(follower, 1)[0] > before[-1]   # a second follower, from now on
+    p.detach()
+    branch = vm.sleep()
+    with pytest.raises(tine.Failed):                    # its stream ended with the vm
+        follower.wait()
+    woken = t.wake(branch)                              # as itself: `vm` names it again
+    assert woken.name == vm.name
+    info = {i.tag: i for i in vm.processes()}["counter"]
+    assert info.pid == p.pid and info.keep
+    again = vm.process(info)
+    after = count_from(again)
+    assert after[0] > before[-1] and after == sorted(after)
+    again.detach()
+    with vm.fork(2) as kids:
+        assert all(k.ok for k in kids), kids
+        for k in kids:
+            assert p.pid in {i.pid for i in k.vm.processes()}
+            c = k.vm.process(p.pid)
+            assert count_from(c, 1)[0] > after[-1]        # the child's copy counts on
+            assert c.kill() is True
+            r = c.wait()
+            assert (r.signal, r.exit_code) == (9, 137)
+            assert p.pid not in {i.pid for i in k.vm.processes()}
+        assert p.pid in {i.pid for i in vm.processes()}   # the parent's is its own
+    assert vm.process(p.pid).kill() is True
+
+
 async def test_async_exec_and_files(daemon):
     async with tine.AsyncTine(socket=daemon.socket) as t:
         async with await t.run(image="minimal", mem="256M") as v:
@@ -83,6 +172,22 @@ async def test_async_exec_and_files(daemon):
             assert r.stdout == "async"
             lines = [l async for l in v.lines("echo a; echo b")]
             assert lines == [("stdout", "a"), ("stdout", "b"), ("exit", 0)]
+            async with await v.spawn('while read l; do echo "got $l"; done', stdin=True, tag="a") as p:
+                out = p.lines()
+                await p.write("x\n")
+                assert await out.__anext__() == ("stdout", "got x")
+                assert "a" in {i.tag for i in await v.processes()}
+                await p.close_stdin()
+                assert [l async for l in out] == [("exit", 0)]
+                assert (await p.wait()).stdout == "got x\n"
+            await v.files.move("/tmp/x", "/tmp/y")
+            assert await v.files.read("/tmp/y") == b"async"
+            p = await v.spawn("while :; do echo tick; sleep 0.1; done")
+            await p.detach()
+            again = v.process(p.pid)
+            assert await again.lines().__anext__() == ("stdout", "tick")
+            assert await again.kill() is True
+            assert (await again.wait()).signal == 9
             kids = await v.fork(2)
             async with kids:
                 outs = await asyncio.gather(*(k.vm.exec("hostname") for k in kids))

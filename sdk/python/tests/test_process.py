@@ -33,14 +33,29 @@ class FakeGuest:
     """One kept command, pid 42: its stream sends `started`, then what the
     test (or its input) puts in `feed`; its input is echoed back upper-cased."""
 
-    def __init__(self, serve):
+    def __init__(self, serve, transport):
         self.feed = queue.Queue()
         self.specs = []
         self.inputs = []
         self.signals = []
         self.srv = serve(self.handle)
-        self.t = tine.Tine(socket=self.srv.path)
+        self.transport = transport
+        self.t = self.client(tine.Tine)
         self.vm = self.t.vm("v")
+
+    def client(self, cls):
+        """A client of this fake: on tine's own HTTP (the Unix socket's), or
+        on httpx (what `url=`, TCP, uses), over the same socket."""
+        c = cls(socket=self.srv.path)
+        if self.transport == "httpx":
+            import httpx
+
+            if cls is tine.Tine:
+                c._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.srv.path), base_url="http://tined")
+            else:
+                c._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.srv.path), base_url="http://tined")
+            c._errors = (httpx.TransportError,)
+        return c
 
     def stream(self, s):
         s.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -94,9 +109,9 @@ class FakeGuest:
         return "keep"
 
 
-@pytest.fixture
-def guest(serve):
-    g = FakeGuest(serve)
+@pytest.fixture(params=["own", "httpx"])
+def guest(serve, request):
+    g = FakeGuest(serve, request.param)
     yield g
     g.t.close()
 
@@ -170,7 +185,7 @@ def test_following_again_and_typed_errors(guest):
 
 
 async def test_async_process(guest):
-    async with tine.AsyncTine(socket=guest.srv.path) as at:
+    async with guest.client(tine.AsyncTine) as at:
         vm = at.vm("v")
         async with await vm.spawn(["cat"], stdin=True, tag="c") as p:
             assert p.pid == 42 and guest.specs[-1]["keep"] is True
