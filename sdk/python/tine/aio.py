@@ -1,5 +1,5 @@
 """The asyncio client: `AsyncTine`, `AsyncVm`, `AsyncCheckpoint`,
-`AsyncBranch`, the same methods as `tine.client`, awaited. Every method is one request (sleep, wake and
+`AsyncBranch`, `AsyncProcess`, the same methods as `tine.client`, awaited. Every method is one request (sleep, wake and
 snapshot wait for their operation); errors raise `tine.errors.TineError`
 subclasses carrying tined's code and message."""
 

@@ -1,5 +1,5 @@
 """The synchronous client: `Tine` (a connection to tined), `Vm`,
-`Checkpoint`, `Branch`. Every method is one request (sleep, wake and
+`Checkpoint`, `Branch`, `Process`. Every method is one request (sleep, wake and
 snapshot wait for their operation); errors raise `tine.errors.TineError`
 subclasses carrying tined's code and message."""
 
