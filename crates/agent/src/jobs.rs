@@ -159,7 +159,12 @@ struct User {
 }
 
 fn lookup_user(name: &str) -> io::Result<User> {
-    let passwd = std::fs::read_to_string("/etc/passwd")?;
+    let passwd = std::fs::read_to_string("/etc/passwd").map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot look up user {name:?}: the guest's /etc/passwd: {e}"),
+        )
+    })?;
     let fields = passwd
         .lines()
         .map(|l| l.split(':').collect::<Vec<_>>())
