@@ -180,7 +180,9 @@ def main():
             print(f"SDK over raw HTTP, p50: sync {med(sdk) - med(rr):.3f} ms, asyncio {med(asdk) - med(rr):.3f} ms "
                   f"(target ≤ 0.2 ms)")
 
-        first = "hostname"
+        # The same first command for all three: E2B's commands.run runs
+        # its command under `/bin/bash -l -c`.
+        first = ["bash", "-l", "-c", "hostname"] if a.linux else ["hostname"]
 
         def sdk_fork(k):
             kids = parent.fork(k)
@@ -195,7 +197,7 @@ def main():
             tine_cli("fork", "p", "-n", str(k), "--names", names)
             if a.linux:
                 for i in range(k):
-                    tine_cli("exec", f"c{i}", "--", first)
+                    tine_cli("exec", f"c{i}", "--", *first)
             return names
 
         for k in (1, 10):
@@ -241,7 +243,7 @@ def main():
 
                 def g():
                     tine_cli("run", "--name", f"r{i}", "--image", image, "--mem", mem)
-                    tine_cli("exec", f"r{i}", "--", first)
+                    tine_cli("exec", f"r{i}", "--", *first)
                 c.append(ms(g))
                 tine_cli("rm", "--force", f"r{i}")
                 e.append(e2b.tti())
