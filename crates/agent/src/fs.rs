@@ -194,6 +194,7 @@ mod tests {
         assert!(rename(&d.join("a/m"), &d.join("c/d/m")).expect("rename"));
         assert_eq!(fs::read(d.join("c/d/m")).expect("moved"), b"m");
         assert!(rename(&d.join("a/m"), &d.join("x")).is_err());
+        fs::remove_dir_all(d.join("c")).expect("fs op");
         fs::write(d.join("a/f"), b"xyz").expect("fs op");
         std::os::unix::fs::symlink("f", d.join("a/l")).expect("fs op");
         let one = list_dir(&d.join("a"), 1).expect("fs op");
