@@ -23,6 +23,7 @@ use protocol::{
 };
 
 use crate::quiesce;
+use crate::serve::{describe, reply_error};
 
 /// What `Exec` asked for.
 pub struct Spec {
@@ -538,16 +539,4 @@ pub fn input<C: Connection>(
 pub fn list<C: Connection>(conn: &mut C) -> Result<(), ProtocolError> {
     let processes = lock(&JOBS).iter().map(|j| j.info.clone()).collect();
     send(conn, Message::Processes { processes })
-}
-
-fn reply_error<C: Write>(
-    conn: &mut C,
-    kind: ErrorKind,
-    message: String,
-) -> Result<(), ProtocolError> {
-    send(conn, Message::Error { kind, message })
-}
-
-fn describe(f: &Frame) -> String {
-    crate::serve::describe(f)
 }

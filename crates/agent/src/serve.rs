@@ -49,7 +49,7 @@ pub fn handle<C: Connection>(mut conn: C, settings: &Settings) {
     let _ = conn.shutdown(Shutdown::Both);
 }
 
-fn reply_error<C: Write>(
+pub(crate) fn reply_error<C: Write>(
     conn: &mut C,
     kind: ErrorKind,
     message: String,
