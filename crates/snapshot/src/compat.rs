@@ -9,6 +9,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::template::{Template, TemplateRecord};
 use Register::{Eax, Ebx, Ecx, Edx};
 
 /// TSC frequencies closer than this are the same (QEMU and Firecracker
@@ -33,7 +34,7 @@ pub struct CpuidEntry {
 }
 
 impl CpuidEntry {
-    fn get(&self, reg: Register) -> u32 {
+    pub(crate) fn get(&self, reg: Register) -> u32 {
         match reg {
             Register::Eax => self.eax,
             Register::Ebx => self.ebx,
@@ -42,7 +43,7 @@ impl CpuidEntry {
         }
     }
 
-    fn get_mut(&mut self, reg: Register) -> &mut u32 {
+    pub(crate) fn get_mut(&mut self, reg: Register) -> &mut u32 {
         match reg {
             Register::Eax => &mut self.eax,
             Register::Ebx => &mut self.ebx,
@@ -51,7 +52,8 @@ impl CpuidEntry {
         }
     }
 
-    fn matches(&self, function: u32, index: u32) -> bool {
+    /// Whether this entry answers CPUID (`function`, `index`).
+    pub fn matches(&self, function: u32, index: u32) -> bool {
         self.function == function
             && (self.index == index || self.flags & CPUID_FLAG_SIGNIFICANT_INDEX == 0)
     }
@@ -89,6 +91,11 @@ pub struct Compat {
     pub devices: Vec<String>,
     pub mem_mib: u64,
     pub vcpus: u8,
+    /// The CPU template the vm ran under (docs/design/cpu-templates.md):
+    /// a restore checks that the host satisfies it. Absent in manifests of
+    /// vms started without one, and in every manifest before templates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<TemplateRecord>,
 }
 
 /// What this host (and this tine) offers.
@@ -176,6 +183,24 @@ pub enum Mismatch {
         name: Option<&'static str>,
         bit: CpuidBit,
     },
+    /// A CPU feature the CPU template requires that this host's KVM does
+    /// not offer.
+    TemplateFeature {
+        template: String,
+        name: Option<&'static str>,
+        bit: CpuidBit,
+    },
+    /// An MSR the CPU template sets that this host's KVM does not list.
+    TemplateMsr {
+        template: String,
+        index: u32,
+    },
+    /// The manifest's template does not match the hash recorded with it.
+    TemplateHash {
+        template: String,
+        recorded: String,
+        found: String,
+    },
     /// A saved MSR this host's KVM does not list.
     Msr {
         index: u32,
@@ -224,6 +249,38 @@ impl fmt::Display for Mismatch {
                 }
                 f.write_str(": the snapshot's guest uses it; this host's KVM does not offer it")
             }
+            Mismatch::TemplateFeature {
+                template,
+                name,
+                bit,
+            } => {
+                match name {
+                    Some(name) => write!(f, "CPU feature {name} ({bit})")?,
+                    None => write!(f, "CPU feature {bit}")?,
+                }
+                write!(
+                    f,
+                    ": CPU template {template} requires it; this host's KVM does not offer it"
+                )
+            }
+            Mismatch::TemplateMsr { template, index } => {
+                write!(f, "MSR {index:#x}")?;
+                if let Some(name) = msr_name(*index) {
+                    write!(f, " ({name})")?;
+                }
+                write!(
+                    f,
+                    ": CPU template {template} sets it; this host's KVM does not list it"
+                )
+            }
+            Mismatch::TemplateHash {
+                template,
+                recorded,
+                found,
+            } => write!(
+                f,
+                "CPU template {template}: the manifest records hash {recorded} but the template it carries hashes to {found} (the manifest was altered)"
+            ),
             Mismatch::Msr { index } => {
                 write!(f, "MSR {index:#x}")?;
                 if let Some(name) = msr_name(*index) {
@@ -274,6 +331,10 @@ pub struct CompatError {
     /// Kernel of the host that took the snapshot and of this one (for the advice).
     pub snapshot_kernel: String,
     pub host_kernel: String,
+    /// The CPU template the snapshot was taken under, if any.
+    pub template: Option<String>,
+    /// The built-in CPU templates this host satisfies (for the advice).
+    pub host_templates: Vec<String>,
 }
 
 impl fmt::Display for CompatError {
@@ -302,11 +363,16 @@ impl fmt::Display for CompatError {
                 "restore with tine {snapshot_tine} (or another tine that reads format {snapshot})"
             ));
         }
-        if has(|m| matches!(m, Mismatch::Vendor { .. } | Mismatch::CpuFeature { .. })) {
-            advice.push(
-                "restore on a host with these CPU features (same vendor), or take the snapshot with a CPU template this host satisfies"
-                    .to_string(),
-            );
+        if has(|m| {
+            matches!(
+                m,
+                Mismatch::Vendor { .. }
+                    | Mismatch::CpuFeature { .. }
+                    | Mismatch::TemplateFeature { .. }
+                    | Mismatch::TemplateMsr { .. }
+            )
+        }) {
+            advice.push(self.cpu_advice());
         }
         if has(|m| {
             matches!(
@@ -338,6 +404,125 @@ impl fmt::Display for CompatError {
     }
 }
 
+impl CompatError {
+    /// What to do about CPU mismatches, naming the templates that would help.
+    fn cpu_advice(&self) -> String {
+        let vendor = self
+            .mismatches
+            .iter()
+            .any(|m| matches!(m, Mismatch::Vendor { .. }));
+        let suggest = match self.host_templates.first() {
+            Some(t) => format!(
+                "take the snapshot under a CPU template this host satisfies ({}: tine run --cpu-template {t})",
+                self.host_templates.join(", ")
+            ),
+            None => format!(
+                "no built-in CPU template fits this host ({} need features it lacks): use a custom template (tine run --cpu-template FILE) with only features both hosts have",
+                crate::template::builtin_names().join(", ")
+            ),
+        };
+        match (&self.template, vendor) {
+            (_, true) => format!(
+                "restore on a host with the same CPU vendor (a CPU template cannot hide the vendor), with these CPU features, or {suggest}"
+            ),
+            (Some(t), false) => format!(
+                "restore on a host that satisfies CPU template {t} (tine cpu-templates lists what this one satisfies), or {suggest}"
+            ),
+            (None, false) => format!(
+                "restore on a host with these CPU features (same vendor), or {suggest}"
+            ),
+        }
+    }
+}
+
+impl HostCompat {
+    /// Whether this host can run a vm under `template`: every feature the
+    /// template requires (a `1` in a checked feature register) is in the
+    /// offer, and every MSR it sets is listed. Names every gap.
+    pub fn satisfies(&self, template: &Template) -> Result<(), Vec<Mismatch>> {
+        let mut out: Vec<Mismatch> =
+            missing_cpu_features(&required_features(template), &self.cpuid)
+                .into_iter()
+                .map(|bit| Mismatch::TemplateFeature {
+                    template: template.name.clone(),
+                    name: feature_name(bit),
+                    bit,
+                })
+                .collect();
+        out.extend(
+            template
+                .msr_modifiers
+                .iter()
+                .filter(|m| !self.msrs.contains(&m.addr))
+                .map(|m| Mismatch::TemplateMsr {
+                    template: template.name.clone(),
+                    index: m.addr,
+                }),
+        );
+        if out.is_empty() {
+            Ok(())
+        } else {
+            Err(out)
+        }
+    }
+
+    /// Names of the built-in templates this host satisfies.
+    pub fn satisfied_templates(&self) -> Vec<String> {
+        crate::template::builtins()
+            .unwrap_or_default()
+            .iter()
+            .filter(|t| self.satisfies(t).is_ok())
+            .map(|t| t.name.clone())
+            .collect()
+    }
+}
+
+/// The features `template` requires, as a CPUID list holding only its
+/// `1` bits of the checked feature registers.
+pub fn required_features(template: &Template) -> Vec<CpuidEntry> {
+    let mut out: Vec<CpuidEntry> = Vec::new();
+    for &(function, index, register, skip) in FEATURE_REGISTERS {
+        let Some(b) = template.bitmap(function, index, register) else {
+            continue;
+        };
+        let bits = (b.value & b.mask) as u32 & !skip;
+        if bits == 0 {
+            continue;
+        }
+        let i = match out.iter().position(|e| e.matches(function, index)) {
+            Some(i) => i,
+            None => {
+                out.push(CpuidEntry {
+                    function,
+                    index,
+                    flags: CPUID_FLAG_SIGNIFICANT_INDEX,
+                    ..Default::default()
+                });
+                out.len() - 1
+            }
+        };
+        *out[i].get_mut(register) |= bits;
+    }
+    out
+}
+
+/// Bits of (`leaf`, `register`) that tine or KVM set per vCPU, whatever a
+/// template says: the APIC ID and logical processor count (leaf 1 EBX
+/// 31:16), HYPERVISOR, HTT, OSXSAVE and OSPKE (mirrors of the guest's
+/// CR4), the topology leaves 0xB and 0x1F, and the XSAVE area sizes
+/// (leaf 0xD EBX, from the guest's XCR0).
+pub fn vcpu_set_bits(leaf: u32, register: Register) -> u32 {
+    match (leaf, register) {
+        (0x1, Register::Ebx) => 0xffff_0000,
+        (0x1, Register::Ecx) => (1 << 27) | (1 << 31),
+        (0x1, Register::Edx) => 1 << 28,
+        (0x7, Register::Ecx) => 1 << 4,
+        (0xb | 0x1f, _) => u32::MAX,
+        (0xd, Register::Ebx) => u32::MAX,
+        _ => 0,
+    }
+}
+
 /// Checks `saved` against what `host` offers (device layout, memory and
 /// vCPU count are the snapshot's own).
 pub fn check(saved: &Compat, host: &HostCompat) -> Result<(), CompatError> {
@@ -366,9 +551,34 @@ pub fn check_restore(
             host: host.cpu_vendor.clone(),
         });
     }
+    // Under a template: the host must satisfy it (named as the template's
+    // needs), and offer whatever else the guest saw (bits the template
+    // passes through), named as today.
+    let mut template_bits: Vec<CpuidBit> = Vec::new();
+    if let Some(rec) = &saved.cpu_template {
+        let found = rec.template.hash();
+        if found != rec.hash {
+            out.push(Mismatch::TemplateHash {
+                template: rec.name.clone(),
+                recorded: rec.hash.clone(),
+                found,
+            });
+        }
+        let mut template = rec.template.clone();
+        template.name = rec.name.clone();
+        if let Err(gaps) = host.satisfies(&template) {
+            for m in &gaps {
+                if let Mismatch::TemplateFeature { bit, .. } = m {
+                    template_bits.push(*bit);
+                }
+            }
+            out.extend(gaps);
+        }
+    }
     out.extend(
         missing_cpu_features(&saved.cpuid, &host.cpuid)
             .into_iter()
+            .filter(|bit| !template_bits.contains(bit))
             .map(|bit| Mismatch::CpuFeature {
                 name: feature_name(bit),
                 bit,
@@ -430,6 +640,8 @@ pub fn check_restore(
             mismatches: out,
             snapshot_kernel: saved.host_kernel.clone(),
             host_kernel: host.kernel.clone(),
+            template: saved.cpu_template.as_ref().map(|t| t.name.clone()),
+            host_templates: host.satisfied_templates(),
         })
     }
 }

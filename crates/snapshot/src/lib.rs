@@ -8,6 +8,7 @@
 //! are framed and which versions a loader accepts.
 
 pub mod compat;
+pub mod template;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;

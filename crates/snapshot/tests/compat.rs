@@ -64,6 +64,7 @@ fn pair() -> (Compat, HostCompat) {
         devices: vec!["virtio-blk".into(), "virtio-net".into()],
         mem_mib: 256,
         vcpus: 2,
+        cpu_template: None,
     };
     (saved, host)
 }
