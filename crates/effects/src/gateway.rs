@@ -177,7 +177,8 @@ pub fn serve(opts: Options) -> Result<(), Error> {
             paths.lock().display()
         )));
     }
-    let mut journal = Journal::open(&paths.journal())?;
+    // SQLite here, or the fleet's PostgreSQL (TINE_META), as this host.
+    let mut journal = Journal::connect(&paths.meta()?, &paths.host_id()?)?;
     let doubted = journal.mark_in_doubt()?;
     if doubted > 0 {
         eprintln!(
@@ -316,7 +317,7 @@ async fn control_request(shared: &Arc<Shared>, req: control::Request) -> Reply {
             Ok(Some(control::Status {
                 pid: std::process::id(),
                 branches,
-                journal: shared.paths.journal().display().to_string(),
+                journal: shared.paths.meta()?.shown(),
                 schema_version: store.journal.schema_version()?,
                 effects: store.journal.counts()?,
             }))
@@ -1092,10 +1093,15 @@ async fn effect_inner(
                         store.inflight.insert(id, rx);
                         Decision::Execute(id, tx)
                     }
-                    None => Decision::Error(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "the key was taken meanwhile; retry".into(),
-                    ),
+                    // Another host's gateway took the key meanwhile
+                    // (a shared journal): its row decides.
+                    None => match store.journal.find(&tree, &scope, &key)? {
+                        Some(row) => decide(&store, row, &key, &reg.vm),
+                        None => Decision::Error(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "the key was taken meanwhile; retry".into(),
+                        ),
+                    },
                 }
             }
         };
@@ -1236,6 +1242,17 @@ fn decide(store: &Store, row: EffectRow, key: &str, vm: &str) -> Decision {
         State::Completed => Decision::Replay(Box::new(row)),
         State::Sent => match store.inflight.get(&row.id) {
             Some(rx) => Decision::Wait(rx.clone()),
+            // Another host's gateway is sending it (a shared journal): its
+            // outcome is recorded there; the program's retry will find it.
+            None if row.host.as_deref().is_some_and(|h| h != store.journal.host()) => {
+                Decision::Error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "effect {key} is being sent by the gateway of another host ({}); retry in a moment",
+                        row.host.as_deref().unwrap_or_default()
+                    ),
+                )
+            }
             None => Decision::Error(
                 StatusCode::CONFLICT,
                 format!("effect {key} is being sent by a gateway that ended; see `tine effects`"),

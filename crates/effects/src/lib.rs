@@ -6,7 +6,8 @@
 //!   listener per vm at `vms/NAME/vsock.sock_3128` (the VMM bridges a guest
 //!   connection to CID 2 port 3128 there), an HTTP/1 forward proxy with
 //!   CONNECT tunnels, and a control socket for the CLI.
-//! - [`journal`]: the SQLite journal.
+//! - [`journal`]: the journal, in SQLite or in a PostgreSQL database that
+//!   the hosts of a fleet share (`TINE_META`).
 //! - [`control`]: the control protocol and its client (register a vm,
 //!   bracket a moment, list, resolve).
 
@@ -39,6 +40,21 @@ pub enum Error {
 impl From<rusqlite::Error> for Error {
     fn from(e: rusqlite::Error) -> Self {
         Error::Journal(e.to_string())
+    }
+}
+
+impl From<postgres::Error> for Error {
+    fn from(e: postgres::Error) -> Self {
+        Error::Journal(pg_error(&e))
+    }
+}
+
+/// A PostgreSQL error with the server's message (the client's own
+/// `Display` says only "db error").
+pub(crate) fn pg_error(e: &postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("postgres: {} ({})", db.message(), db.code().code()),
+        None => format!("postgres: {e}"),
     }
 }
 
@@ -140,6 +156,65 @@ impl Paths {
     }
     pub fn log(&self) -> PathBuf {
         self.dir.join("gateway.log")
+    }
+
+    /// This host's id, as the fleet knows it: `TINE_HOST_ID`, else the one
+    /// kept in `$TINE_HOME/host-id` (tined's, shared with its fleet
+    /// registration; made here in tined's form, the hostname and a random
+    /// suffix, if the gateway runs first). A shared journal records it on
+    /// the effects this host's gateway is sending and on the branches it
+    /// binds, so a gateway that starts marks only its own in doubt and
+    /// re-binds only its own vms.
+    pub fn host_id(&self) -> Result<String, Error> {
+        if let Some(id) = std::env::var("TINE_HOST_ID")
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+        {
+            return Ok(id.trim().to_string());
+        }
+        let home = self.dir.parent().unwrap_or(&self.dir);
+        let path = home.join("host-id");
+        let io = |e| Error::Io(path.display().to_string(), e);
+        match std::fs::read_to_string(&path) {
+            Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_string()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+        std::fs::create_dir_all(home).map_err(|e| Error::Io(home.display().to_string(), e))?;
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let name: String = name
+            .trim()
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+            .take(40)
+            .collect();
+        let id = format!(
+            "{}-{}",
+            if name.is_empty() { "host" } else { &name },
+            &random_id()?[..6]
+        );
+        // Written aside and linked into place (never over an existing
+        // one): of two processes making it at once, both keep the winner's.
+        let tmp = home.join(format!("host-id.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, &id).map_err(io)?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(id),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Ok(std::fs::read_to_string(&path)
+                    .map_err(io)?
+                    .trim()
+                    .to_string())
+            }
+            Err(e) => Err(io(e)),
+        }
+    }
+
+    /// The journal `TINE_META` selects for this home (SQLite: [`Self::journal`]).
+    pub fn meta(&self) -> Result<journal::Meta, Error> {
+        journal::Meta::from_env(&self.journal())
     }
 }
 
