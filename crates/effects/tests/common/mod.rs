@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod pg;
+
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io::{Read, Write};
@@ -176,16 +178,24 @@ pub struct Gateway {
     pub home: TempDir,
     pub paths: Paths,
     pub child: Option<Child>,
+    /// `TINE_META` for the process (None: its own SQLite journal).
+    pub meta: Option<String>,
 }
 
 impl Gateway {
     pub fn start() -> Self {
+        Gateway::start_meta(None)
+    }
+
+    /// A gateway whose journal is `meta` (a postgres URL: a host of a fleet).
+    pub fn start_meta(meta: Option<&str>) -> Self {
         let home = TempDir::new("gw");
         let paths = Paths::new(&home.0);
         let mut g = Gateway {
             home,
             paths,
             child: None,
+            meta: meta.map(str::to_string),
         };
         g.spawn(None);
         g
@@ -202,6 +212,12 @@ impl Gateway {
             Some(f) => cmd.env(effects::gateway::FAULT_ENV, f),
             None => cmd.env_remove(effects::gateway::FAULT_ENV),
         };
+        match &self.meta {
+            Some(m) => cmd.env(effects::journal::META_ENV, m),
+            None => cmd.env_remove(effects::journal::META_ENV),
+        };
+        // Each gateway's home is a host: its id from its own home.
+        cmd.env_remove("TINE_HOST_ID");
         let child = cmd.spawn().expect("start the gateway");
         self.child = Some(child);
         let t0 = Instant::now();
@@ -298,8 +314,57 @@ impl Gateway {
         children
     }
 
+    /// A moment of `parent` on this gateway whose copies `names` continue
+    /// on `onto`'s host: a branch put to sleep here and woken there (a
+    /// snapshot), or forked there. Both journals must be one database.
+    pub fn copy_onto(
+        &self,
+        parent: &Registration,
+        names: &[&str],
+        kind: MomentKind,
+        onto: &Gateway,
+    ) -> Vec<Registration> {
+        let moment = effects::random_id().expect("id");
+        self.call(Request::Moment {
+            branch: parent.branch.clone(),
+            moment: moment.clone(),
+            kind,
+        });
+        self.call(Request::MomentDone {
+            branch: parent.branch.clone(),
+            moment: moment.clone(),
+            ok: true,
+            register: vec![],
+        });
+        let mut lineage = parent.lineage.clone();
+        lineage.push(Step {
+            branch: parent.branch.clone(),
+            moment,
+            kind,
+        });
+        names
+            .iter()
+            .map(|n| {
+                let reg = Registration {
+                    branch: effects::random_id().expect("id"),
+                    vm: n.to_string(),
+                    socket: onto.socket(n),
+                    lineage: lineage.clone(),
+                    effects: parent.effects.clone(),
+                };
+                onto.call(Request::Register { reg: reg.clone() });
+                reg
+            })
+            .collect()
+    }
+
     pub fn journal(&self) -> effects::journal::Journal {
-        effects::journal::Journal::open(&self.paths.journal()).expect("journal")
+        let meta = match &self.meta {
+            Some(m) => effects::journal::Meta::Postgres(m.clone()),
+            None => effects::journal::Meta::Sqlite(self.paths.journal()),
+        };
+        let host = self.paths.host_id().expect("host id");
+        effects::journal::Journal::connect(&meta, &host).expect("journal")
     }
 }
 
