@@ -7,7 +7,8 @@
 //! every identical window automatically. Chunks live in a [`Backend`]
 //! (a local directory by default, or S3, with a local cache in front);
 //! the tree — snapshots, layers, window → chunk references, branches —
-//! lives in a [`Meta`] database (SQLite at `$TINE_HOME/store/tree.db`).
+//! lives in a [`Meta`] database (SQLite at `$TINE_HOME/store/tree.db`, or
+//! PostgreSQL shared by a fleet: `TINE_META=postgres://…`, [`PgMeta`]).
 //!
 //! The calls a caller makes:
 //!
@@ -44,6 +45,7 @@ pub mod fault;
 pub mod layer;
 pub mod lease;
 pub mod meta;
+pub mod meta_pg;
 pub mod pack;
 pub mod progress;
 pub mod s3;
@@ -58,12 +60,13 @@ pub use meta::{
     BranchChange, BranchId, BranchRow, BranchState, LayerId, LayerKind, LayerRow, Meta, MetaError,
     Sizes, SnapshotId, SnapshotState, SqliteMeta, Totals,
 };
+pub use meta_pg::PgMeta;
 pub use progress::{FnProgress, NoProgress, Progress};
 pub use s3::{S3Backend, S3Config};
 pub use store::{
-    BackendConfig, ChunkProblem, GcOptions, GcReport, LayerStats, PackFetch, PackProblem,
-    SnapshotInfo, Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport, BACKEND_ENV,
-    DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE,
+    BackendConfig, ChunkProblem, GcOptions, GcReport, LayerStats, MetaConfig, PackFetch,
+    PackProblem, SnapshotInfo, Store, StoreConfig, StoreError, Tree, TreeSnapshot, VerifyReport,
+    BACKEND_ENV, DEFAULT_WINDOW_SIZE, DEFAULT_ZSTD_LEVEL, MAX_WINDOW_SIZE, META_ENV,
 };
 pub use writer::SnapshotWriter;
 

@@ -1,7 +1,8 @@
 //! Tree metadata: snapshots, layers, windows → chunks, chunk rows,
 //! branches. [`Meta`] is what the store needs from a database; [`SqliteMeta`]
-//! implements it over one SQLite file (`tree.db`), and a PostgreSQL
-//! implementation can follow with the same schema and the same calls.
+//! implements it over one SQLite file (`tree.db`), and
+//! [`crate::meta_pg::PgMeta`] over PostgreSQL (several hosts sharing one
+//! database) with the same schema and the same calls.
 //!
 //! # The commit and gc protocol (the part a new implementation must keep)
 //!
@@ -75,13 +76,13 @@ pub enum LayerKind {
 }
 
 impl LayerKind {
-    fn to_db(self) -> (&'static str, i64) {
+    pub(crate) fn to_db(self) -> (&'static str, i64) {
         match self {
             LayerKind::Memory => ("memory", 0),
             LayerKind::Disk(i) => ("disk", i64::from(i)),
         }
     }
-    fn from_db(kind: &str, disk: i64) -> Option<LayerKind> {
+    pub(crate) fn from_db(kind: &str, disk: i64) -> Option<LayerKind> {
         match kind {
             "memory" => Some(LayerKind::Memory),
             "disk" => u32::try_from(disk).ok().map(LayerKind::Disk),
@@ -123,14 +124,14 @@ pub enum BranchState {
 }
 
 impl BranchState {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             BranchState::Running => "running",
             BranchState::Sleeping => "sleeping",
             BranchState::Gone => "gone",
         }
     }
-    fn parse(s: &str) -> Option<BranchState> {
+    pub(crate) fn parse(s: &str) -> Option<BranchState> {
         match s {
             "running" => Some(BranchState::Running),
             "sleeping" => Some(BranchState::Sleeping),
@@ -283,6 +284,23 @@ pub enum MetaError {
         #[source]
         source: rusqlite::Error,
     },
+    /// `db` is the database as [`Meta::describe`] shows it (no password).
+    #[error("{db}: {what}: {source}")]
+    Postgres {
+        db: String,
+        what: &'static str,
+        #[source]
+        source: postgres::Error,
+    },
+    #[error("cannot connect to {db}: {source}; is the server running? TINE_META selects it")]
+    PgConnect {
+        db: String,
+        #[source]
+        source: postgres::Error,
+    },
+    /// The metadata database's settings are not usable (e.g. TLS asked).
+    #[error("{0}")]
+    Config(String),
     #[error(
         "{path} has schema version {found}, newer than this tine knows ({known}); use a newer tine"
     )]
@@ -520,7 +538,7 @@ fn sq<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(rusqlite::Error) ->
     }
 }
 
-fn encode_pages(pages: &[u64]) -> Vec<u8> {
+pub(crate) fn encode_pages(pages: &[u64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(pages.len() * 8);
     for p in pages {
         out.extend_from_slice(&p.to_le_bytes());
@@ -528,7 +546,7 @@ fn encode_pages(pages: &[u64]) -> Vec<u8> {
     out
 }
 
-fn decode_pages(b: &[u8]) -> Vec<u64> {
+pub(crate) fn decode_pages(b: &[u8]) -> Vec<u64> {
     b.chunks_exact(8)
         .map(|c| {
             let mut a = [0u8; 8];
@@ -538,7 +556,7 @@ fn decode_pages(b: &[u8]) -> Vec<u64> {
         .collect()
 }
 
-fn hash_of(b: Vec<u8>) -> Result<ChunkId, MetaError> {
+pub(crate) fn hash_of(b: Vec<u8>) -> Result<ChunkId, MetaError> {
     let arr: [u8; 32] = b
         .try_into()
         .map_err(|b: Vec<u8>| MetaError::Corrupt(format!("chunk hash of {} bytes", b.len())))?;
@@ -563,7 +581,7 @@ fn query_all<T, P: rusqlite::Params>(
 
 /// Whether the holder of a lease (`owner`, `expires_ms`) is gone; a row
 /// with no lease has no holder.
-fn lease_gone(
+pub(crate) fn lease_gone(
     gone: &dyn Fn(&str, i64) -> bool,
     owner: Option<String>,
     expires_ms: Option<i64>,
@@ -760,10 +778,10 @@ fn name_taken_or<'a>(
     }
 }
 
-const SNAPSHOT_COLS: &str =
+pub(crate) const SNAPSHOT_COLS: &str =
     "id, parent, created_ms, state, manifest, working_set, lease_owner, lease_expires_ms, pack, pack_len";
-const LAYER_COLS: &str = "id, snapshot, kind, disk, parent, size, window_size";
-const BRANCH_COLS: &str = "id, name, snapshot, state, created_ms, updated_ms";
+pub(crate) const LAYER_COLS: &str = "id, snapshot, kind, disk, parent, size, window_size";
+pub(crate) const BRANCH_COLS: &str = "id, name, snapshot, state, created_ms, updated_ms";
 
 impl Meta for SqliteMeta {
     fn describe(&self) -> String {

@@ -19,6 +19,7 @@ use crate::meta::{
     BranchId, BranchRow, BranchState, LayerKind, LayerRow, Lease, Meta, MetaError, Sizes,
     SnapshotId, SnapshotRow, SnapshotState, SqliteMeta, Totals,
 };
+use crate::meta_pg::PgMeta;
 use crate::pack;
 use crate::progress::Progress;
 use crate::s3::{S3Backend, S3Config};
@@ -48,12 +49,56 @@ pub enum BackendConfig {
     },
 }
 
+/// Where the tree's metadata goes.
+#[derive(Clone, PartialEq, Eq)]
+pub enum MetaConfig {
+    /// `DIR/tree.db`: one host's processes.
+    Sqlite,
+    /// A PostgreSQL database shared by a fleet
+    /// (`postgres://user[:password]@host[:port]/db`, no TLS).
+    Postgres(String),
+}
+
+impl std::fmt::Debug for MetaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MetaConfig::Sqlite => f.write_str("Sqlite"),
+            // Never the password.
+            MetaConfig::Postgres(url) => write!(f, "Postgres({})", crate::meta_pg::redact(url)),
+        }
+    }
+}
+
+/// The environment variable that selects the metadata database: unset,
+/// empty or `sqlite` (`$TINE_HOME/store/tree.db`), or `postgres://…`.
+pub const META_ENV: &str = "TINE_META";
+
+impl MetaConfig {
+    /// The value of [`META_ENV`].
+    pub fn parse(v: &str) -> Result<MetaConfig, StoreError> {
+        if v.is_empty() || v == "sqlite" {
+            return Ok(MetaConfig::Sqlite);
+        }
+        if v.starts_with("postgres://") || v.starts_with("postgresql://") {
+            return Ok(MetaConfig::Postgres(v.to_owned()));
+        }
+        // Only the scheme: the rest may hold a password.
+        let scheme = v.split_once("://").map_or("(none)", |(s, _)| s);
+        Err(StoreError::Invalid(format!(
+            "{META_ENV} has an unknown scheme {scheme:?}: use sqlite (the default, \
+             $TINE_HOME/store/tree.db) or postgres://user@host:port/db"
+        )))
+    }
+}
+
 /// How to open a store.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
     /// `$TINE_HOME/store`: `tree.db`, and `chunks/` or `cache/`.
     pub dir: PathBuf,
     pub backend: BackendConfig,
+    /// The tree's database (`TINE_META`).
+    pub meta: MetaConfig,
     /// Window size of new layers (a diff layer keeps its parent's).
     pub window_size: u64,
     pub zstd_level: i32,
@@ -75,6 +120,7 @@ impl StoreConfig {
         StoreConfig {
             dir: dir.into(),
             backend: BackendConfig::Local,
+            meta: MetaConfig::Sqlite,
             window_size: DEFAULT_WINDOW_SIZE,
             zstd_level: DEFAULT_ZSTD_LEVEL,
             threads: 0,
@@ -83,7 +129,7 @@ impl StoreConfig {
     }
 
     /// The store of `tine_home` (`$TINE_HOME/store`), backend from
-    /// `TINE_STORE`.
+    /// `TINE_STORE`, metadata from `TINE_META`.
     pub fn from_env(tine_home: &Path) -> Result<StoreConfig, StoreError> {
         let mut cfg = StoreConfig::local(&tine_home.join("store"));
         match std::env::var(BACKEND_ENV) {
@@ -91,6 +137,13 @@ impl StoreConfig {
                 cfg.backend = BackendConfig::S3(S3Config::from_url(&v)?);
             }
             _ => {}
+        }
+        match std::env::var(META_ENV) {
+            Ok(v) => cfg.meta = MetaConfig::parse(&v)?,
+            Err(std::env::VarError::NotPresent) => {}
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(StoreError::Invalid(format!("{META_ENV} is not UTF-8")))
+            }
         }
         Ok(cfg)
     }
@@ -159,7 +212,8 @@ pub(crate) struct Inner {
 
 /// A snapshot tree store. Cheap to clone and share between threads; do
 /// not carry one across fork(2) into a child that uses it (open it again:
-/// SQLite connections must not cross fork(2)).
+/// SQLite connections must not cross fork(2); a PostgreSQL one is
+/// replaced by a new connection in the child).
 #[derive(Clone)]
 pub struct Store {
     pub(crate) inner: Arc<Inner>,
@@ -438,7 +492,10 @@ impl Store {
             path: cfg.dir.clone(),
             source,
         })?;
-        let meta = SqliteMeta::open(&cfg.dir.join("tree.db"))?;
+        let meta: Box<dyn Meta> = match &cfg.meta {
+            MetaConfig::Sqlite => Box::new(SqliteMeta::open(&cfg.dir.join("tree.db"))?),
+            MetaConfig::Postgres(url) => Box::new(PgMeta::open(url)?),
+        };
         let (backend, remote): (Arc<dyn Backend>, bool) = match &cfg.backend {
             BackendConfig::Local => (Arc::new(LocalBackend::new(&cfg.dir.join("chunks"))?), false),
             BackendConfig::S3(s3) => (Arc::new(S3Backend::new(s3.clone())?), true),
@@ -460,7 +517,7 @@ impl Store {
         Ok(Store {
             inner: Arc::new(Inner {
                 dir: cfg.dir,
-                meta: Box::new(meta),
+                meta,
                 chunks: Chunks::new(backend, cache, cfg.zstd_level),
                 window_size: cfg.window_size,
                 threads,

@@ -10,30 +10,62 @@ use std::sync::Arc;
 use common::*;
 use store::*;
 
-fn opener(tag: &str) -> (tempfile::TempDir, LocalOpener) {
+fn opener(tag: &str, db: Db) -> (tempfile::TempDir, LocalOpener) {
     let d = temp_dir(tag);
     let o = LocalOpener {
         dir: d.path().join("store"),
+        meta: db.meta(tag),
     };
     (d, o)
 }
 
-#[test]
-fn layer_chain_round_trip() {
-    let (_d, o) = opener("chain");
+/// Each scenario runs against both metadata databases, as `NAME::sqlite`
+/// and `NAME::pg` (a fresh database in this binary's PostgreSQL 15).
+macro_rules! both {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn sqlite() {
+                super::$name(super::Db::Sqlite)
+            }
+            #[test]
+            fn pg() {
+                super::$name(super::Db::Pg)
+            }
+        }
+    )*};
+}
+
+both!(
+    layer_chain_round_trip,
+    ten_siblings_of_a_1gib_parent_share_it,
+    corrupt_chunk_is_detected_and_named,
+    swapped_chunk_is_detected,
+    gc_keeps_referenced_chunks_and_removes_the_rest,
+    gc_racing_writers_never_breaks_a_snapshot,
+    kill_9_and_faults_leave_a_consistent_store,
+    working_set_pack_local,
+    working_set_pack_fills_the_cache,
+    remote_backend_reads_through_a_verified_cache,
+    branches_tree_and_sizes,
+    progress_is_reported,
+    bad_configuration_and_input_are_refused,
+    leases_of_other_hosts_hold_until_they_expire,
+);
+
+fn layer_chain_round_trip(db: Db) {
+    let (_d, o) = opener("chain", db);
     common::layer_chain_round_trip(&o);
 }
 
-#[test]
-fn ten_siblings_of_a_1gib_parent_share_it() {
-    let (_d, o) = opener("siblings");
+fn ten_siblings_of_a_1gib_parent_share_it(db: Db) {
+    let (_d, o) = opener("siblings", db);
     let ratio = common::ten_siblings(&o, 1 << 30);
     println!("dedup ratio (stored / logical of parent + 10 x 8 MiB): {ratio:.3}");
 }
 
-#[test]
-fn corrupt_chunk_is_detected_and_named() {
-    let (_d, o) = opener("corrupt");
+fn corrupt_chunk_is_detected_and_named(db: Db) {
+    let (_d, o) = opener("corrupt", db);
     let dir = o.dir.clone();
     common::corrupt_chunk_detected(&o, &|_, id| {
         let b = LocalBackend::new(&dir.join("chunks")).unwrap();
@@ -45,11 +77,10 @@ fn corrupt_chunk_is_detected_and_named() {
     });
 }
 
-#[test]
-fn swapped_chunk_is_detected() {
+fn swapped_chunk_is_detected(db: Db) {
     // Another chunk's valid bytes under this id: decompresses fine, the
     // hash check catches it.
-    let (_d, o) = opener("swapped");
+    let (_d, o) = opener("swapped", db);
     let dir = o.dir.clone();
     common::corrupt_chunk_detected(&o, &|_, id| {
         let b = LocalBackend::new(&dir.join("chunks")).unwrap();
@@ -57,15 +88,13 @@ fn swapped_chunk_is_detected() {
     });
 }
 
-#[test]
-fn gc_keeps_referenced_chunks_and_removes_the_rest() {
-    let (_d, o) = opener("gc");
+fn gc_keeps_referenced_chunks_and_removes_the_rest(db: Db) {
+    let (_d, o) = opener("gc", db);
     common::gc_keeps_referenced(&o);
 }
 
-#[test]
-fn gc_racing_writers_never_breaks_a_snapshot() {
-    let (_d, o) = opener("gcrace");
+fn gc_racing_writers_never_breaks_a_snapshot(db: Db) {
+    let (_d, o) = opener("gcrace", db);
     common::gc_races_writers(&o);
 }
 
@@ -75,20 +104,19 @@ fn crash_child_local() {
     if is_child() {
         let o = LocalOpener {
             dir: std::env::var("TINE_STORE_TEST_DIR").unwrap().into(),
+            meta: MetaConfig::parse(&std::env::var(META_ENV).unwrap()).unwrap(),
         };
         common::crash_child(&o);
     }
 }
 
-#[test]
-fn kill_9_and_faults_leave_a_consistent_store() {
-    let (_d, o) = opener("crash");
+fn kill_9_and_faults_leave_a_consistent_store(db: Db) {
+    let (_d, o) = opener("crash", db);
     common::crash_at_every_point(&o, "crash_child_local");
 }
 
-#[test]
-fn working_set_pack_local() {
-    let (_d, o) = opener("pack");
+fn working_set_pack_local(db: Db) {
+    let (_d, o) = opener("pack", db);
     common::pack_scenario(&o, &common::flip_pack_byte);
 }
 
@@ -96,11 +124,13 @@ fn working_set_pack_local() {
 struct CachedLocalOpener {
     dir: std::path::PathBuf,
     remote: Arc<LocalBackend>,
+    meta: MetaConfig,
 }
 
 impl common::Opener for CachedLocalOpener {
     fn open(&self) -> Store {
         let mut cfg = StoreConfig::local(&self.dir);
+        cfg.meta = self.meta.clone();
         cfg.backend = BackendConfig::Custom {
             backend: self.remote.clone(),
             remote: true,
@@ -115,21 +145,21 @@ impl common::Opener for CachedLocalOpener {
     }
 }
 
-#[test]
-fn working_set_pack_fills_the_cache() {
+fn working_set_pack_fills_the_cache(db: Db) {
     let d = temp_dir("packcache");
     let o = CachedLocalOpener {
         dir: d.path().join("store"),
         remote: Arc::new(LocalBackend::new(&d.path().join("remote")).unwrap()),
+        meta: db.meta("packcache"),
     };
     common::pack_scenario(&o, &common::flip_pack_byte);
 }
 
-#[test]
-fn remote_backend_reads_through_a_verified_cache() {
+fn remote_backend_reads_through_a_verified_cache(db: Db) {
     let d = temp_dir("cache");
     let remote = Arc::new(LocalBackend::new(&d.path().join("remote")).unwrap());
     let mut cfg = StoreConfig::local(&d.path().join("store"));
+    cfg.meta = db.meta("cache");
     cfg.backend = BackendConfig::Custom {
         backend: remote.clone(),
         remote: true,
@@ -221,9 +251,8 @@ fn remote_backend_reads_through_a_verified_cache() {
     assert!(e.to_string().contains(&bad.to_hex()), "{e}");
 }
 
-#[test]
-fn branches_tree_and_sizes() {
-    let (_d, o) = opener("tree");
+fn branches_tree_and_sizes(db: Db) {
+    let (_d, o) = opener("tree", db);
     let s = o.open();
     let img = synthetic_memory(4 << 20, 8);
     let mut w = s.begin(None, r#"{"name":"root-vm"}"#).unwrap();
@@ -298,9 +327,8 @@ fn branches_tree_and_sizes() {
     assert_eq!(s.branches().unwrap().len(), 3);
 }
 
-#[test]
-fn progress_is_reported() {
-    let (_d, o) = opener("progress");
+fn progress_is_reported(db: Db) {
+    let (_d, o) = opener("progress", db);
     let s = o.open();
     let img = synthetic_memory(8 << 20, 12);
     let last = AtomicU64::new(0);
@@ -343,13 +371,14 @@ fn schema_is_versioned_and_migrated_once() {
     assert!(e.to_string().contains("schema version 99"), "{e}");
 }
 
-#[test]
-fn bad_configuration_and_input_are_refused() {
+fn bad_configuration_and_input_are_refused(db: Db) {
     let d = temp_dir("bad");
     let mut cfg = StoreConfig::local(d.path());
+    cfg.meta = db.meta("bad");
+    let good = cfg.clone();
     cfg.window_size = 3000;
     assert!(Store::open(cfg).is_err());
-    let s = Store::open(StoreConfig::local(d.path())).unwrap();
+    let s = Store::open(good).unwrap();
     assert!(s.begin(None, "not json").is_err());
     assert!(s.begin(Some(SnapshotId(12345)), "{}").is_err());
     let mut w = s.begin(None, "{}").unwrap();
@@ -397,9 +426,8 @@ fn bad_configuration_and_input_are_refused() {
     assert_layer(&s.layer(o, LayerKind::Disk(1)).unwrap(), &odd);
 }
 
-#[test]
-fn leases_of_other_hosts_hold_until_they_expire() {
-    let (_d, o) = opener("leases");
+fn leases_of_other_hosts_hold_until_they_expire(db: Db) {
+    let (_d, o) = opener("leases", db);
     let s = o.open();
     let meta = s.meta();
     let now = store::lease::now_ms;

@@ -91,23 +91,66 @@ pub trait Opener: Sync {
     fn name(&self) -> &str;
 }
 
-/// A local store in a directory.
+#[path = "pg.rs"]
+pub mod pg;
+
+/// A local store in a directory, its tree in SQLite (`DIR/tree.db`) or
+/// PostgreSQL.
 pub struct LocalOpener {
     pub dir: PathBuf,
+    pub meta: MetaConfig,
+}
+
+impl LocalOpener {
+    pub fn config(&self) -> StoreConfig {
+        let mut cfg = StoreConfig::local(&self.dir);
+        cfg.meta = self.meta.clone();
+        cfg
+    }
+}
+
+/// The environment a child needs to open a store with `meta`.
+pub fn meta_env(meta: &MetaConfig) -> (String, String) {
+    let v = match meta {
+        MetaConfig::Sqlite => "sqlite".into(),
+        MetaConfig::Postgres(url) => url.clone(),
+    };
+    (META_ENV.into(), v)
+}
+
+/// The metadata database a test runs against.
+#[derive(Clone, Copy, Debug)]
+pub enum Db {
+    Sqlite,
+    Pg,
+}
+
+impl Db {
+    /// SQLite in the store's directory, or a fresh PostgreSQL database.
+    pub fn meta(self, tag: &str) -> MetaConfig {
+        match self {
+            Db::Sqlite => MetaConfig::Sqlite,
+            Db::Pg => MetaConfig::Postgres(pg::database(tag)),
+        }
+    }
 }
 
 impl Opener for LocalOpener {
     fn open(&self) -> Store {
-        Store::open(StoreConfig::local(&self.dir)).unwrap()
+        Store::open(self.config()).unwrap()
     }
     fn child_env(&self) -> Vec<(String, String)> {
         vec![
             ("TINE_STORE_TEST_DIR".into(), self.dir.display().to_string()),
             ("TINE_STORE".into(), "local".into()),
+            meta_env(&self.meta),
         ]
     }
     fn name(&self) -> &str {
-        "local"
+        match self.meta {
+            MetaConfig::Sqlite => "local",
+            MetaConfig::Postgres(_) => "local+pg",
+        }
     }
 }
 
