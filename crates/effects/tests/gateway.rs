@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{parse, raw, send, Gateway, Server};
 use effects::control::Request;
-use effects::{EffectPolicy, Effects};
+use effects::{EffectPolicy, Effects, MomentKind};
 
 fn policy(pairs: &[(&str, EffectPolicy)], max: u64) -> Effects {
     Effects {
@@ -424,4 +424,67 @@ fn test_bad_input_gets_clear_errors_and_one_row() {
         counts, want,
         "nothing journaled twice, nothing malformed journaled"
     );
+}
+
+/// Two hosts, each with its own gateway, one PostgreSQL journal
+/// (`TINE_META`): what a branch did through host 1's gateway is replayed,
+/// not re-sent, for its copy woken behind host 2's; a restart of host 2's
+/// gateway neither re-binds host 1's vms nor doubts host 1's effects.
+#[test]
+fn test_two_hosts_one_postgres_journal() {
+    let db = common::pg::fresh_db("gateways");
+    let srv = Server::start();
+    let h1 = Gateway::start_meta(Some(&db));
+    let mut h2 = Gateway::start_meta(Some(&db));
+
+    // A keyed charge executed on host 1 before the branch sleeps; its
+    // copy wakes on host 2 and retries it.
+    let p = h1.root("p", Effects::default());
+    let url = srv.url("/charge");
+    let r = send(&p, "POST", &url, "9.99", &[("Idempotency-Key", "charge-1")]);
+    assert_eq!((r.status, r.text().as_str()), (201, "/charge #1"));
+    let woken = h1.copy_onto(&p, &["p-woken"], MomentKind::Snapshot, &h2);
+    let r = send(
+        &woken[0],
+        "POST",
+        &url,
+        "9.99",
+        &[("Idempotency-Key", "charge-1")],
+    );
+    assert_eq!((r.status, r.text().as_str()), (201, "/charge #1"));
+    let tag = r.header("x-tine-effect").unwrap_or("").to_string();
+    assert!(
+        tag.starts_with("replayed;") && tag.contains("from=p"),
+        "{tag}"
+    );
+    assert_eq!(srv.count("/charge"), 1);
+
+    // A derived key: the moment first (the branch sleeps on host 1 while
+    // its request is on its way), then the parent's request; the copy on
+    // host 2 sends the same and gets the parent's response.
+    let q = h1.root("q", Effects::default());
+    let woken = h1.copy_onto(&q, &["q-woken"], MomentKind::Snapshot, &h2);
+    let url = srv.url("/mail");
+    assert_eq!(send(&q, "POST", &url, "hello", &[]).text(), "/mail #1");
+    let r = send(&woken[0], "POST", &url, "hello", &[]);
+    assert_eq!(r.text(), "/mail #1");
+    assert!(r
+        .header("x-tine-effect")
+        .unwrap_or("")
+        .starts_with("replayed;"));
+    assert_eq!(srv.count("/mail"), 1);
+
+    // Host 2's gateway restarts: it re-binds its own vms only, and host 1
+    // goes on serving its own.
+    h2.kill9();
+    h2.spawn(None);
+    let st = h2.call(Request::Status).status.expect("status");
+    let mut vms: Vec<String> = st.branches.into_iter().map(|(vm, _)| vm).collect();
+    vms.sort();
+    assert_eq!(vms, vec!["p-woken".to_string(), "q-woken".to_string()]);
+    assert!(st.journal.starts_with("postgres://"), "{}", st.journal);
+    let r = send(&p, "POST", &srv.url("/after"), "x", &[]);
+    assert_eq!((r.status, r.text().as_str()), (201, "/after #1"));
+    let r = send(&woken[0], "POST", &srv.url("/after"), "y", &[]);
+    assert_eq!((r.status, r.text().as_str()), (201, "/after #2"));
 }
