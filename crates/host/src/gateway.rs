@@ -313,15 +313,20 @@ pub struct LineageEffects {
     pub effects: Vec<effects::journal::EffectView>,
 }
 
+/// The journal `TINE_META` selects (the fleet's PostgreSQL, or this
+/// home's SQLite file), opened as this host.
 fn open_journal(h: &Host) -> crate::Result<effects::journal::Journal> {
-    let journal_path = paths(h).journal();
-    if !journal_path.exists() {
-        return Err(Error::not_found(format!(
-            "no effects journal yet ({}): no vm has used the gateway",
-            journal_path.display()
-        )));
+    let p = paths(h);
+    let meta = p.meta()?;
+    if let effects::journal::Meta::Sqlite(journal_path) = &meta {
+        if !journal_path.exists() {
+            return Err(Error::not_found(format!(
+                "no effects journal yet ({}): no vm has used the gateway",
+                journal_path.display()
+            )));
+        }
     }
-    Ok(effects::journal::Journal::open(&journal_path)?)
+    Ok(effects::journal::Journal::connect(&meta, &p.host_id()?)?)
 }
 
 fn branch_of(

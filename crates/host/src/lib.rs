@@ -92,6 +92,7 @@ pub const CONFIG_ENV: &[&str] = &[
     "TINE_STORE",
     "TINE_STORE_CACHE",
     "TINE_STORE_FAULT",
+    "TINE_META",
     "TINE_EFFECTS_FAULT",
     "TINE_HOST_FAULT",
     "TINE_KVM_DEVICE",
