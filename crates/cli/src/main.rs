@@ -149,6 +149,10 @@ pub enum Command {
         /// instead of writing the whole memory out before it starts.
         #[arg(long)]
         lazy: bool,
+        /// Wake it on this host of the fleet (`tine hosts`); default: the
+        /// placement policy picks a compatible host with room.
+        #[arg(long)]
+        host: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -199,6 +203,14 @@ pub enum Command {
     /// API keys for tined's TCP listener (E2B's E2B_API_KEY).
     #[command(subcommand)]
     Keys(verbs::KeysCommand),
+    /// The fleet's hosts (tineds sharing TINE_META): state, capacity,
+    /// vms; and the vms of hosts that were lost.
+    Hosts {
+        #[command(subcommand)]
+        cmd: Option<verbs::HostsCommand>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Print lifecycle events as they happen (JSON lines).
     Events,
 }

@@ -184,6 +184,15 @@ pub enum KeysCommand {
     Rm { id: String },
 }
 
+/// `tine hosts ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum HostsCommand {
+    /// List them (the default).
+    Ls,
+    /// Forget a host that is lost or stopped and will not come back.
+    Rm { id: String },
+}
+
 /// `tine daemon ...`.
 #[derive(clap::Subcommand, Debug)]
 pub enum DaemonCommand {
@@ -460,6 +469,7 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
             name,
             net,
             lazy,
+            host,
             json,
         } => {
             let t0 = Instant::now();
@@ -471,6 +481,7 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
                     net,
                     lazy,
                     contract: None,
+                    host,
                 },
                 |p| bar.update(p),
             )?;
@@ -539,6 +550,7 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
         Command::Effects(args) => effects(c, args),
         Command::Gateway(cmd) => gateway(c, cmd),
         Command::Keys(cmd) => keys(c, cmd),
+        Command::Hosts { cmd, json } => hosts(c, cmd.unwrap_or(HostsCommand::Ls), json),
         Command::Events => {
             use std::io::Write;
             let mut out = std::io::stdout().lock();
@@ -882,6 +894,55 @@ fn gateway(c: &Client, cmd: GatewayCommand) -> anyhow::Result<ExitCode> {
             }
         }
         GatewayCommand::Serve => {}
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn hosts(c: &Client, cmd: HostsCommand, json: bool) -> anyhow::Result<ExitCode> {
+    if let HostsCommand::Rm { id } = cmd {
+        let _: serde_json::Value =
+            c.call(Method::DELETE, &format!("/v1/hosts/{id}"), None::<&()>, &[])?;
+        println!("forgot host {id}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let v: serde_json::Value = c.get("/v1/hosts")?;
+    if json {
+        render::json(&v, true)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(this) = v["this"].as_str() else {
+        println!("this tined is in no fleet (see tined.log)");
+        return Ok(ExitCode::SUCCESS);
+    };
+    println!("fleet on {}", v["meta"].as_str().unwrap_or("?"));
+    println!("HOST\tSTATE\tVMS\tMEM FREE\tCPUS\tHEARTBEAT\tADDRESS");
+    let now = host::state::now_ms() as i64;
+    for h in v["hosts"].as_array().into_iter().flatten() {
+        let id = h["id"].as_str().unwrap_or("?");
+        let cap = &h["capacity"];
+        println!(
+            "{}{}\t{}\t{}\t{}/{} MiB\t{}\t{:.1}s ago\t{}",
+            id,
+            if id == this { " *" } else { "" },
+            h["state"].as_str().unwrap_or("?"),
+            cap["vms"],
+            cap["mem_available_mib"],
+            cap["mem_total_mib"],
+            cap["vcpus"],
+            (now - h["heartbeat_ms"].as_i64().unwrap_or(0)) as f64 / 1000.0,
+            h["address"].as_str().unwrap_or("?"),
+        );
+    }
+    for vm in v["lost_vms"].as_array().into_iter().flatten() {
+        let snap = vm["snapshot"]
+            .as_i64()
+            .map(|s| format!("its last snapshot is {s}"))
+            .unwrap_or_else(|| "it has no snapshot in the store".into());
+        println!(
+            "lost: vm {} on host {} ({snap})",
+            vm["name"].as_str().unwrap_or("?"),
+            vm["host"].as_str().unwrap_or("?")
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -158,7 +158,7 @@ impl Db {
             url: url.clone(),
             conn: Mutex::new(None),
         };
-        db.with(|c, url| migrate(c, url))?;
+        db.with(migrate)?;
         Ok(db)
     }
 
@@ -214,8 +214,8 @@ impl Db {
                 continue;
             }
             match f(c, &self.url) {
-                Err(e) if attempt == 0 && matches!(c, Conn::Pg(p) if p.is_closed()) => {
-                    let _ = e;
+                // The server went away mid-call: connect again, once.
+                Err(_) if attempt == 0 && matches!(c, Conn::Pg(p) if p.is_closed()) => {
                     *g = None;
                 }
                 r => return r,

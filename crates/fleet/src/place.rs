@@ -223,6 +223,7 @@ mod tests {
             devices: vec![],
             mem_mib: 256,
             vcpus: 1,
+            cpu_template: None,
         }
     }
 

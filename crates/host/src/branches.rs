@@ -25,6 +25,11 @@ pub(crate) fn link_path(vm: &VmDir) -> PathBuf {
     vm.dir.join("branch.json")
 }
 
+/// The store snapshot a vm started from (a woken branch), if any.
+pub fn vm_snapshot(vm: &VmDir) -> Option<i64> {
+    read_link(vm).map(|l| l.snapshot)
+}
+
 pub(crate) fn read_link(vm: &VmDir) -> Option<BranchLink> {
     let text = std::fs::read_to_string(link_path(vm)).ok()?;
     serde_json::from_str(&text).ok()
@@ -142,7 +147,9 @@ pub(crate) fn store_exists(h: &Host) -> bool {
 }
 
 pub(crate) fn store_exists_in(home: &Path) -> bool {
-    home.join("store").exists() || std::env::var_os(store::BACKEND_ENV).is_some()
+    home.join("store").exists()
+        || std::env::var_os(store::BACKEND_ENV).is_some()
+        || std::env::var_os("TINE_META").is_some()
 }
 
 /// The branch a removed vm ran is gone (its snapshot no longer needs to

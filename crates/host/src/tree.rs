@@ -274,6 +274,39 @@ pub struct WakeSpec {
     /// A fork contract (TOML text) over the snapshot's own.
     #[serde(default)]
     pub contract: Option<String>,
+    /// The host to wake on (a fleet's, see `GET /v1/hosts`); default:
+    /// the placement policy picks one (docs/design/fleet.md).
+    #[serde(default)]
+    pub host: Option<String>,
+}
+
+/// What waking a branch needs from a host (placement reads it).
+#[derive(Clone, Debug)]
+pub struct BranchNeeds {
+    pub snapshot: store::SnapshotId,
+    pub mem_mib: u64,
+    pub vcpus: usize,
+    pub compat: snapshot::compat::Compat,
+}
+
+/// What waking `branch` needs: its snapshot's memory, vCPUs and
+/// compatibility manifest.
+pub fn branch_needs(h: &Host, branch: &str) -> crate::Result<BranchNeeds> {
+    let store = open(h)?;
+    let b = store.branch(branch)?.ok_or_else(|| {
+        Error::not_found(format!(
+            "no branch named {branch:?} in the store (see `tine tree`)"
+        ))
+    })?;
+    let info = store.snapshot(b.snapshot)?;
+    let m: Manifest = serde_json::from_str(&info.manifest)
+        .with_context(|| format!("snapshot {} has no vm manifest", b.snapshot))?;
+    Ok(BranchNeeds {
+        snapshot: b.snapshot,
+        mem_mib: m.mem_mib,
+        vcpus: m.vcpus,
+        compat: m.compat,
+    })
 }
 
 /// Wakes a branch: a vm continues from its snapshot.

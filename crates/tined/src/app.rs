@@ -762,6 +762,26 @@ pub async fn wake_branch(
     Path(name): Path<String>,
     JsonBody(spec): JsonBody<host::tree::WakeSpec>,
 ) -> ApiResult<Response> {
+    // In a fleet the wake may belong on another host: there it runs as
+    // that host's operation, which this one follows.
+    let st = s.clone();
+    let (b, pinned) = (name.clone(), spec.host.clone());
+    let remote = blocking(move || crate::fleet::decide_wake(&st, &b, pinned.as_deref())).await?;
+    if let Some(p) = remote {
+        let mut spec = spec;
+        spec.host = Some(p.host.clone());
+        let path = format!("/v1/branches/{name}/wake");
+        return Ok(start_operation(
+            &s,
+            "wake",
+            name.clone(),
+            "branch.woken",
+            move |_h, _p| {
+                let body = serde_json::to_value(&spec)?;
+                crate::fleet::remote_operation(&p.address, &path, &body)
+            },
+        ));
+    }
     // What can be told at once is (the wake checks again, under its locks).
     let st = s.clone();
     let (branch, new) = (name.clone(), spec.name.clone());
@@ -1021,4 +1041,111 @@ pub async fn delete_key(
     }
     s.events.emit("key.revoked", &id, serde_json::json!({}));
     Ok(Json(serde_json::json!({ "revoked": id })))
+}
+
+// --- the fleet ---
+
+/// The fleet's hosts, and the vms of lost hosts (each with the snapshot
+/// it started from, if it was a woken branch).
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct HostsView {
+    /// This host's id (absent when it is in no fleet).
+    pub this: Option<String>,
+    /// The metadata database (password hidden).
+    pub meta: Option<String>,
+    #[schema(value_type = Vec<Object>)]
+    pub hosts: Vec<fleet::HostRow>,
+    /// vms their hosts listed last before they were lost.
+    #[schema(value_type = Vec<Object>)]
+    pub lost_vms: Vec<fleet::VmRow>,
+}
+
+#[utoipa::path(get, path = "/v1/hosts", tag = "fleet",
+    responses((status = 200, body = HostsView)))]
+pub async fn list_hosts(State(s): State<Shared>) -> ApiResult<Json<HostsView>> {
+    let st = s.clone();
+    let view = blocking(move || {
+        let Some(m) = st.fleet.get() else {
+            return Ok(HostsView {
+                this: None,
+                meta: None,
+                hosts: vec![],
+                lost_vms: vec![],
+            });
+        };
+        let err = |e: fleet::FleetError| host::Error::internal(e.to_string());
+        let hosts = m.fleet.hosts().map_err(err)?;
+        let lost: std::collections::HashSet<&str> = hosts
+            .iter()
+            .filter(|h| h.state == fleet::HostState::Lost)
+            .map(|h| h.id.as_str())
+            .collect();
+        let lost_vms = m
+            .fleet
+            .vms()
+            .map_err(err)?
+            .into_iter()
+            .filter(|v| lost.contains(v.host.as_str()))
+            .collect();
+        Ok(HostsView {
+            this: Some(m.id.clone()),
+            meta: Some(m.fleet.describe()),
+            hosts,
+            lost_vms,
+        })
+    })
+    .await?;
+    Ok(Json(view))
+}
+
+#[utoipa::path(delete, path = "/v1/hosts/{id}", tag = "fleet", params(("id" = String, Path)),
+    responses((status = 200, description = "{\"removed\": id}"), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn forget_host(
+    State(s): State<Shared>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    blocking(move || {
+        let m = st
+            .fleet
+            .get()
+            .ok_or_else(|| host::Error::not_found("this tined is in no fleet"))?;
+        let err = |e: fleet::FleetError| host::Error::internal(e.to_string());
+        let h = m
+            .fleet
+            .host(&id)
+            .map_err(err)?
+            .ok_or_else(|| host::Error::not_found(format!("no host {id:?} (see `tine hosts`)")))?;
+        if h.state == fleet::HostState::Up {
+            return Err(host::Error::conflict(format!(
+                "host {id:?} is up (heartbeat {} ms ago); stop its tined first",
+                host::state::now_ms() as i64 - h.heartbeat_ms
+            )));
+        }
+        m.fleet.forget(&id).map_err(err)?;
+        Ok(serde_json::json!({ "removed": id }))
+    })
+    .await
+    .map(Json)
+}
+
+#[utoipa::path(get, path = "/v1/hosts/self/offer", tag = "fleet",
+    responses((status = 200, description = "What this host offers a snapshot (the JSON TINE_HOST_OFFER reads)")))]
+pub async fn host_offer(State(s): State<Shared>) -> ApiResult<Json<serde_json::Value>> {
+    let st = s.clone();
+    blocking(move || {
+        let m = st
+            .fleet
+            .get()
+            .ok_or_else(|| host::Error::not_found("this tined is in no fleet"))?;
+        let h = m
+            .fleet
+            .host(&m.id)
+            .map_err(|e| host::Error::internal(e.to_string()))?
+            .ok_or_else(|| host::Error::not_found("this host has no row"))?;
+        Ok(serde_json::to_value(&h.offer)?)
+    })
+    .await
+    .map(Json)
 }

@@ -9,6 +9,7 @@ pub mod app;
 pub mod e2b;
 pub mod error;
 pub mod events;
+pub mod fleet;
 pub mod idem;
 pub mod images;
 pub mod keys;

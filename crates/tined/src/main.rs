@@ -36,6 +36,14 @@ struct Cli {
     /// (0: never). The CLI starts tined with 600.
     #[arg(long, default_value_t = 0)]
     idle_exit: u64,
+    /// This host's id in the fleet (default TINE_HOST_ID, else kept in
+    /// `$TINE_HOME/host-id`).
+    #[arg(long)]
+    host_id: Option<String>,
+    /// How other hosts' tineds reach this one: `unix:/path/tined.sock`
+    /// (default: this home's socket) or `http://host:port` (--tcp).
+    #[arg(long)]
+    advertise: Option<String>,
     #[command(subcommand)]
     command: Option<Sub>,
 }
@@ -85,7 +93,13 @@ fn main() -> std::process::ExitCode {
             print!("{}", tined::openapi::document());
             Ok(())
         }
-        None => daemon(cli.home, cli.tcp, cli.token_file, cli.idle_exit),
+        None => daemon(
+            cli.home,
+            cli.tcp,
+            cli.token_file,
+            cli.idle_exit,
+            (cli.host_id, cli.advertise),
+        ),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -145,6 +159,7 @@ fn daemon(
     tcp: Option<String>,
     token_file: Option<PathBuf>,
     idle_exit: u64,
+    (host_id, advertise): (Option<String>, Option<String>),
 ) -> anyhow::Result<()> {
     let home = match home {
         Some(h) => h,
@@ -246,6 +261,19 @@ fn daemon(
         strays = report.strays_ended,
         "reconciled"
     );
+    // Into the fleet: a shared database (TINE_META=postgres://) must
+    // take this host, or tined does not start; the host's own SQLite
+    // file is the fleet of one, whose failure only costs `tine hosts`.
+    match tined::fleet::join(&h, host_id, advertise) {
+        Ok(m) => {
+            tracing::info!(host = %m.id, address = %m.address, meta = %m.fleet.describe(), "registered in the fleet");
+            let _ = state.fleet.set(Arc::new(m));
+        }
+        Err(e) if std::env::var_os("TINE_META").is_some() => {
+            return Err(e.context("cannot join the fleet (TINE_META)"));
+        }
+        Err(e) => tracing::warn!("not registered as a host: {e:#}"),
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -257,6 +285,9 @@ fn daemon(
         let app = tined::router::app(state.clone());
         // E2B sandboxes whose time is up sleep or go.
         tokio::spawn(tined::e2b::expire(state.clone()));
+        if let Some(m) = state.fleet.get() {
+            tokio::spawn(tined::fleet::heartbeat(state.clone(), m.clone()));
+        }
         let stop = tined::serve::Stop::default();
         tokio::spawn(tined::serve::unix(unix, app.clone(), stop.watcher()));
         if let Some(addr) = tcp {
@@ -284,6 +315,10 @@ fn daemon(
         // Answers being written (the shutdown's own 202) reach their
         // clients before the process ends.
         stop.stop(Duration::from_secs(1)).await;
+        if let Some(m) = state.fleet.get() {
+            let m = m.clone();
+            let _ = tokio::task::spawn_blocking(move || m.fleet.stop(&m.id, &m.owner)).await;
+        }
         let _ = std::fs::remove_file(&sock);
         anyhow::Ok(())
     })?;

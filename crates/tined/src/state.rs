@@ -43,6 +43,8 @@ pub struct AppState {
     pub keys: crate::keys::Keys,
     /// What the E2B-compatible API knows of its sandboxes and snapshots.
     pub e2b: crate::e2b::records::Records,
+    /// This host in the fleet, once it registered.
+    pub fleet: std::sync::OnceLock<Arc<crate::fleet::Member>>,
 }
 
 pub type Shared = Arc<AppState>;
@@ -65,6 +67,7 @@ impl AppState {
             shutdown: tokio::sync::Notify::new(),
             draining: std::sync::atomic::AtomicBool::new(false),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
+            fleet: std::sync::OnceLock::new(),
         }))
     }
 }

@@ -482,6 +482,21 @@ impl Tined {
         Self::start_with(tag, Some(token))
     }
 
+    /// tined for a new home with extra environment and arguments.
+    pub fn start_env(tag: &str, env: &[(String, String)], args: &[String]) -> Tined {
+        let (dir, home) = temp_home(tag);
+        let child = spawn_env(&home, args, env);
+        let mut t = Tined {
+            addr: Addr::Unix(home.join("tined.sock")),
+            home,
+            _dir: dir,
+            child: Some(child),
+            tcp: None,
+        };
+        t.wait_healthy();
+        t
+    }
+
     /// tined with a TCP listener and no token: only API keys open it.
     pub fn start_tcp_keys(tag: &str) -> Tined {
         let (dir, home) = temp_home(tag);
@@ -762,6 +777,11 @@ impl Tined {
 
 /// Starts tined for `home` with `args`, logging to `home/tined.log`.
 pub fn spawn(home: &Path, args: &[String]) -> Child {
+    spawn_env(home, args, &[])
+}
+
+/// [`spawn`] with extra environment (a fleet member's TINE_META, ...).
+pub fn spawn_env(home: &Path, args: &[String], env: &[(String, String)]) -> Child {
     let tined = tined_bin();
     vmm_is_fresh(&tined);
     let log = std::fs::OpenOptions::new()
@@ -775,6 +795,7 @@ pub fn spawn(home: &Path, args: &[String]) -> Child {
         .args(args)
         .env("TINE_HOME", home)
         .env_remove("TINED_TOKEN")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log"))
         .stderr(log)

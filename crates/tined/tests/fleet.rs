@@ -1,0 +1,239 @@
+//! A fleet on this machine: three tineds with their own homes and host
+//! ids on one PostgreSQL (TINE_META) and one Garage bucket (TINE_STORE),
+//! both real servers that `scripts/servers` starts for the test and
+//! removes after it. Micro guests on this host's /dev/kvm.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{kvm_available, Tined};
+use serde_json::{json, Value};
+
+/// The servers of one test, stopped and removed when dropped.
+struct Servers {
+    dir: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers")
+}
+
+impl Servers {
+    fn start(tag: &str, garage_nodes: u32) -> Servers {
+        let dir = std::env::temp_dir().join(format!("tine-fleet-{tag}-{}", std::process::id()));
+        let mut s = Servers {
+            dir: dir.clone(),
+            env: vec![],
+        };
+        for args in [
+            vec!["pg".to_string()],
+            vec!["garage".to_string(), String::new(), garage_nodes.to_string()],
+        ] {
+            let mut a = args.clone();
+            if a.len() > 1 {
+                a[1] = dir.display().to_string();
+            } else {
+                a.push(dir.display().to_string());
+            }
+            let out = Command::new(script())
+                .args(&a)
+                .output()
+                .expect("run scripts/servers");
+            assert!(
+                out.status.success(),
+                "scripts/servers {a:?} failed (scripts/setup installs PostgreSQL and Garage): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for l in String::from_utf8_lossy(&out.stdout).lines() {
+                if let Some((k, v)) = l.split_once('=') {
+                    s.env.push((k.to_string(), v.to_string()));
+                }
+            }
+        }
+        s
+    }
+}
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        let _ = Command::new(script())
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+    }
+}
+
+fn host(s: &Servers, id: &str, extra: &[(&str, String)]) -> Tined {
+    let mut env = s.env.clone();
+    env.push(("TINE_HOST_ID".into(), id.into()));
+    env.push(("TINE_HEARTBEAT_MS".into(), "300".into()));
+    for (k, v) in extra {
+        env.push((k.to_string(), v.clone()));
+    }
+    Tined::start_env(id, &env, &[])
+}
+
+fn last_word(l: &str) -> String {
+    l.split_whitespace().last().unwrap_or_default().to_string()
+}
+
+fn sum(t: &Tined, vm: &str, mib: u32) -> String {
+    last_word(&t.ask(vm, &format!("sum {mib}"), "SUM"))
+}
+
+fn hosts(t: &Tined) -> Value {
+    t.get("/v1/hosts").expect(200)
+}
+
+fn state_of(view: &Value, id: &str) -> String {
+    view["hosts"]
+        .as_array()
+        .and_then(|a| a.iter().find(|h| h["id"] == id))
+        .map(|h| h["state"].as_str().unwrap_or_default().to_string())
+        .unwrap_or_default()
+}
+
+/// An offer like `base` without SSE3 (CPUID leaf 1, ECX bit 0), which
+/// every guest sees: a host that cannot take any of this host's snapshots.
+fn narrower_offer(base: &Value) -> Value {
+    let mut o = base.clone();
+    if let Some(entries) = o["cpuid"].as_array_mut() {
+        for e in entries {
+            if e["function"] == 1 {
+                let ecx = e["ecx"].as_u64().unwrap_or(0);
+                e["ecx"] = json!(ecx & !1);
+            }
+        }
+    }
+    o
+}
+
+#[test]
+fn test_sleep_on_one_host_wake_on_another_and_placement() {
+    if !kvm_available() {
+        return;
+    }
+    let s = Servers::start("wake", 1);
+    let h1 = host(&s, "h1", &[]);
+    let h2 = host(&s, "h2", &[]);
+    // h3 offers less than this CPU has: snapshots taken here cannot wake there.
+    let offer = h1.get("/v1/hosts/self/offer").expect(200);
+    let file = h1.home.join("narrow-offer.json");
+    std::fs::write(&file, narrower_offer(&offer).to_string()).expect("offer file");
+    let h3 = host(&s, "h3", &[("TINE_HOST_OFFER", file.display().to_string())]);
+
+    let view = hosts(&h2);
+    assert_eq!(view["this"], "h2", "{view}");
+    for id in ["h1", "h2", "h3"] {
+        assert_eq!(state_of(&view, id), "up", "{view}");
+    }
+
+    // A memtouch vm writes 8 MiB on h1, then sleeps into the shared store.
+    h1.run("w", "micro-memtouch");
+    h1.wait_line("w", 0, |l| l.starts_with("READY"));
+    let s1 = last_word(&h1.ask("w", "touch 8 5", "TOUCHED"));
+    let slept = h1.operation_ok("/v1/vms/w/sleep", json!({}));
+    assert_eq!(slept["branch"], "w", "{slept}");
+
+    // h2 sees the branch (one tree), and wakes it, asked on h1.
+    let branches = h2.get("/v1/branches").expect(200);
+    assert!(
+        branches.as_array().is_some_and(|b| b.iter().any(|b| b["name"] == "w")),
+        "{branches}"
+    );
+    let woken = h1.operation_ok("/v1/branches/w/wake", json!({"host": "h2"}));
+    assert_eq!(woken["name"], "w", "{woken}");
+    assert_eq!(h2.get("/v1/vms/w").expect(200)["state"], "running");
+    h1.get("/v1/vms/w").expect_error(404, "not_found");
+    assert_eq!(sum(&h2, "w", 8), s1, "woken on h2 with the memory it had on h1");
+    // It goes on from there: written on h2, slept again.
+    let s2 = last_word(&h2.ask("w", "touch 4 9", "TOUCHED"));
+    h2.operation_ok("/v1/vms/w/sleep", json!({}));
+
+    // h3 cannot take it, and says why.
+    // (Placement answers before any operation starts.)
+    let why = h2
+        .post("/v1/branches/w/wake", json!({"host": "h3"}))
+        .expect_error(409, "conflict");
+    assert!(why.contains("h3") && why.contains("sse3"), "{why}");
+    // Unpinned, placement passes h3 over; asked on h3, it goes elsewhere.
+    let woken = h3.operation_ok("/v1/branches/w/wake", json!({}));
+    assert_eq!(woken["name"], "w", "{woken}");
+    let on: Vec<&str> = [("h1", &h1), ("h2", &h2), ("h3", &h3)]
+        .iter()
+        .filter(|(_, t)| t.get("/v1/vms/w").status == 200)
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(on.len(), 1, "one host runs it: {on:?}");
+    assert_ne!(on[0], "h3", "placement took h3, which cannot run it");
+    let runner = if on[0] == "h1" { &h1 } else { &h2 };
+    assert_eq!(sum(runner, "w", 4), s2);
+    // Copies of the branch spread: one pinned on each of the other hosts.
+    let other = if on[0] == "h1" { ("h2", &h2) } else { ("h1", &h1) };
+    runner.operation_ok("/v1/vms/w/sleep", json!({}));
+    let c = h3.operation_ok(
+        "/v1/branches/w/wake",
+        json!({"name": "w-copy", "host": other.0}),
+    );
+    assert_eq!(c["name"], "w-copy");
+    assert_eq!(sum(other.1, "w-copy", 4), s2);
+
+    // The tree is one: every host lists the same branches; verify passes
+    // on each.
+    for t in [&h1, &h2, &h3] {
+        let b = t.get("/v1/branches").expect(200);
+        let names: Vec<&str> = b
+            .as_array()
+            .map(|a| a.iter().filter_map(|b| b["name"].as_str()).collect())
+            .unwrap_or_default();
+        assert!(names.contains(&"w") && names.contains(&"w-copy"), "{b}");
+        let v = t.operation_ok("/v1/store/verify", json!({}));
+        for k in ["missing", "corrupt", "not_durable", "bad_packs"] {
+            assert_eq!(v[k], json!([]), "{v}");
+        }
+        assert!(v["chunks_checked"].as_u64() > Some(0), "{v}");
+    }
+}
+
+#[test]
+fn test_host_loss_is_seen_and_its_vms_named() {
+    if !kvm_available() {
+        return;
+    }
+    let s = Servers::start("loss", 1);
+    let h1 = host(&s, "h1", &[]);
+    let mut h2 = host(&s, "h2", &[]);
+    h2.run("c", "micro-counter");
+    h2.wait_line("c", 0, |l| l.starts_with("CNT 2"));
+    // Its heartbeat lists the vm.
+    std::thread::sleep(Duration::from_millis(800));
+    let pid = h2.get("/v1/vms/c").expect(200)["pid"].as_u64().unwrap_or(0);
+    // kill -9 the host's tined and its VMM.
+    h2.kill();
+    if let Ok(p) = libc::pid_t::try_from(pid) {
+        // SAFETY: kill(2) with plain integers: the VMM this test started.
+        unsafe {
+            libc::kill(p, libc::SIGKILL);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let view = loop {
+        let v = hosts(&h1);
+        if state_of(&v, "h2") == "lost" || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(state_of(&view, "h2"), "lost", "{view}");
+    assert_eq!(state_of(&view, "h1"), "up", "{view}");
+    let lost = view["lost_vms"].as_array().cloned().unwrap_or_default();
+    assert!(lost.iter().any(|v| v["name"] == "c" && v["host"] == "h2"), "{view}");
+    // A lost host is passed over by placement, and can be forgotten.
+    h1.delete("/v1/hosts/h1").expect_error(409, "conflict");
+    h1.delete("/v1/hosts/h2").expect(200);
+    assert_eq!(state_of(&hosts(&h1), "h2"), "");
+}
