@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const GUESTS: &[&str] = &["counter", "memtouch", "blkio"];
+const GUESTS: &[&str] = &["counter", "memtouch", "blkio", "cpuid"];
 
 fn main() {
     let manifest = PathBuf::from(env("CARGO_MANIFEST_DIR"));

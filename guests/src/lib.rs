@@ -19,6 +19,10 @@ pub const MEMTOUCH: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/memtouch")
 /// serial port, on the first virtio-blk device.
 pub const BLKIO: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/blkio"));
 
+/// `cpuid`: prints `READY`, then serves `cpuid <leaf> [subleaf]` (the
+/// CPUID the guest sees, executed at CPL3) and `ping` on the serial port.
+pub const CPUID: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/cpuid"));
+
 /// Path of the built `counter` ELF (valid on the build machine).
 pub fn counter_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/counter"))
@@ -34,19 +38,25 @@ pub fn blkio_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/blkio"))
 }
 
+/// Path of the built `cpuid` ELF (valid on the build machine).
+pub fn cpuid_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/cpuid"))
+}
+
 /// The guest ELF image called `name` (`"counter"`, `"memtouch"` or
-/// `"blkio"`).
+/// `"blkio"`, `"cpuid"`).
 pub fn by_name(name: &str) -> Option<&'static [u8]> {
     match name {
         "counter" => Some(COUNTER),
         "memtouch" => Some(MEMTOUCH),
         "blkio" => Some(BLKIO),
+        "cpuid" => Some(CPUID),
         _ => None,
     }
 }
 
 /// Names accepted by [`by_name`].
-pub const NAMES: &[&str] = &["counter", "memtouch", "blkio"];
+pub const NAMES: &[&str] = &["counter", "memtouch", "blkio", "cpuid"];
 
 #[cfg(test)]
 mod tests {

@@ -425,9 +425,14 @@ impl CompatError {
             (_, true) => format!(
                 "restore on a host with the same CPU vendor (a CPU template cannot hide the vendor), with these CPU features, or {suggest}"
             ),
-            (Some(t), false) => format!(
-                "restore on a host that satisfies CPU template {t} (tine cpu-templates lists what this one satisfies), or {suggest}"
-            ),
+            (Some(t), false) => match self.host_templates.first() {
+                Some(_) => format!(
+                    "restore on a host that satisfies CPU template {t} (`tine cpu-templates` on a host lists the ones it satisfies), or {suggest}"
+                ),
+                None => format!(
+                    "restore on a host that satisfies CPU template {t} (`tine cpu-templates` on a host lists the ones it satisfies)"
+                ),
+            },
             (None, false) => format!(
                 "restore on a host with these CPU features (same vendor), or {suggest}"
             ),

@@ -431,11 +431,15 @@ fn test_restore_under_a_template_checks_the_template() {
         text.contains("restore on a host that satisfies CPU template t2"),
         "{text}"
     );
+    assert!(!text.contains("take the snapshot under"), "{text}");
+    println!("{text}");
+    // Without a template, a host that satisfies none says so.
+    let err = check(&plain, &third).expect_err("no avx2 either");
+    let text = err.to_string();
     assert!(
-        text.contains("no built-in CPU template fits this host"),
+        text.contains("no built-in CPU template fits this host (t2, t2s need features it lacks)"),
         "{text}"
     );
-    println!("{text}");
 }
 
 #[test]

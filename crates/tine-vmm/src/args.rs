@@ -47,6 +47,12 @@ pub struct VmmArgs {
     /// Number of vCPUs (1–4).
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
+    /// CPU template: `t2`, `t2s`, or a custom template's JSON file. The
+    /// guest's CPUID is normalized to it and its snapshots wake on any
+    /// host that satisfies it; refused on a host that does not. A
+    /// restored vm keeps its snapshot's.
+    #[arg(long, conflicts_with = "from")]
+    cpu_template: Option<String>,
     /// Append the guest console (COM1) to this file.
     #[arg(long)]
     console_log: Option<PathBuf>,
@@ -160,6 +166,11 @@ fn build_or_restore(args: VmmArgs) -> anyhow::Result<vmm::Vmm> {
         nets,
         vsock: args.vsock.as_deref().map(parse_vsock).transpose()?,
         kvm_device: args.kvm_device,
+        cpu_template: args
+            .cpu_template
+            .as_deref()
+            .map(vmm::cpu_template::resolve)
+            .transpose()?,
     };
     Ok(vmm::build(&config)?)
 }
@@ -200,6 +211,13 @@ fn restore(
         nets,
         vsock,
         kvm_device: args.kvm_device.clone(),
+        // Its vCPUs' CPUID comes from the saved state; kept so that its
+        // next snapshot records the template too.
+        cpu_template: manifest
+            .compat
+            .cpu_template
+            .as_ref()
+            .map(|r| r.template.clone()),
         ..VmConfig::default()
     };
     if let Some(id) = args.lazy_snapshot {

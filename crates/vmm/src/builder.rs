@@ -5,7 +5,9 @@ use std::fs::OpenOptions;
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 use kvm_ioctls::IoEventAddress;
+use snapshot::compat::CpuidEntry;
 
 use vmm_sys_util::eventfd::EventFd;
 
@@ -91,6 +93,10 @@ pub enum BuildError {
     },
     #[error(transparent)]
     VmGenId(#[from] VmGenIdError),
+    #[error("This host does not satisfy CPU template {template}:{gaps}\nRun without --cpu-template, or under a template this host satisfies (tine cpu-templates)")]
+    CpuTemplate { template: String, gaps: String },
+    #[error("Cannot read this host's CPU offer for the CPU template")]
+    HostCompat(#[from] crate::compat::CompatCollectError),
 }
 
 /// Builds everything a vm needs, ready for [`Vmm::run`].
@@ -118,11 +124,21 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
     let cmdline = boot::cmdline(&config.cmdline)?;
     boot::configure_system(&mem, &kernel, &cmdline, initrd, Some(rsdp))?;
 
+    let cpuid = guest_cpuid(&vm, config)?;
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
         let vcpu = Vcpu::new(vm.fd(), index)?;
-        vcpu.configure_boot(&mem, vm.supported_cpuid()?, config.vcpus, kernel.entry.0)?;
+        vcpu.configure_boot(
+            &mem,
+            &cpuid,
+            config.cpu_template.as_ref(),
+            config.vcpus,
+            kernel.entry.0,
+        )?;
         vcpus.push(vcpu);
+    }
+    if let (Some(t), Some(v)) = (&config.cpu_template, vcpus.first()) {
+        warn_unapplied(t, v)?;
     }
     Ok(Vmm::assemble(
         vm,
@@ -132,6 +148,75 @@ pub fn build(config: &VmConfig) -> Result<Vmm, BuildError> {
         devices,
         config.clone(),
     ))
+}
+
+/// The CPUID every vCPU starts from (before its topology is set): KVM's
+/// supported list, normalized to the vm's CPU template if it has one.
+/// A host whose offer does not satisfy the template is refused, naming
+/// every feature it lacks, rather than showing the guest a feature the
+/// hardware does not have.
+fn guest_cpuid(vm: &Vm, config: &VmConfig) -> Result<CpuId, BuildError> {
+    let supported = vm.supported_cpuid()?;
+    let Some(template) = &config.cpu_template else {
+        return Ok(supported.clone());
+    };
+    let host = crate::compat::host_compat(&config.kvm_device)?;
+    if let Err(gaps) = host.satisfies(template) {
+        return Err(BuildError::CpuTemplate {
+            template: template.name.clone(),
+            gaps: gaps.iter().map(|g| format!("\n  - {g}")).collect(),
+        });
+    }
+    let mut entries: Vec<CpuidEntry> = supported
+        .as_slice()
+        .iter()
+        .map(crate::compat::entry)
+        .collect();
+    template.apply_cpuid(&mut entries);
+    let kvm: Vec<kvm_cpuid_entry2> = entries
+        .iter()
+        .map(|e| kvm_cpuid_entry2 {
+            function: e.function,
+            index: e.index,
+            flags: e.flags,
+            eax: e.eax,
+            ebx: e.ebx,
+            ecx: e.ecx,
+            edx: e.edx,
+            ..Default::default()
+        })
+        .collect();
+    CpuId::from_entries(&kvm).map_err(|_| BuildError::CpuTemplate {
+        template: template.name.clone(),
+        gaps: format!(" it makes {} CPUID entries, more than KVM takes", kvm.len()),
+    })
+}
+
+/// Logs the template bits KVM did not give the vCPU. KVM may change what
+/// it is given: kvm_pvm passes the hardware's leaves 7 and 0xD through
+/// (the guest runs with the host's XCR0), so there a template cannot hide
+/// AVX-512 and the like. The snapshot's manifest records the CPUID the
+/// vCPU really has, and restore checks those bits too, so this costs
+/// portability, never correctness.
+fn warn_unapplied(template: &snapshot::template::Template, vcpu: &Vcpu) -> Result<(), BuildError> {
+    let got: Vec<CpuidEntry> = vcpu.cpuid()?.iter().map(crate::compat::entry).collect();
+    let wrong = template.differences(&got);
+    if !wrong.is_empty() {
+        let bits: Vec<String> = wrong
+            .iter()
+            .map(|&b| match snapshot::compat::feature_name(b) {
+                Some(n) => format!("{n} ({b})"),
+                None => b.to_string(),
+            })
+            .collect();
+        tracing::warn!(
+            "this host's KVM did not apply CPU template {} to {} bit(s); the guest sees the host's value: {}",
+            template.name,
+            bits.len(),
+            bits.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// Rebuilds a vm from a saved [`Moment`] on guest memory that already

@@ -158,6 +158,7 @@ pub fn snapshot_compat(
         devices,
         mem_mib,
         vcpus: u8::try_from(machine.vcpus.len()).unwrap_or(u8::MAX),
+        cpu_template: None,
     }
 }
 
@@ -191,7 +192,7 @@ fn cap(name: &str, c: Cap) -> KvmCap {
     }
 }
 
-fn entry(e: &kvm_cpuid_entry2) -> CpuidEntry {
+pub(crate) fn entry(e: &kvm_cpuid_entry2) -> CpuidEntry {
     CpuidEntry {
         function: e.function,
         index: e.index,

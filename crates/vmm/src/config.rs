@@ -58,6 +58,11 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     /// The KVM device (normally /dev/kvm).
     pub kvm_device: PathBuf,
+    /// The CPU template the guest's CPUID (and MSRs) are normalized to at
+    /// boot (docs/design/cpu-templates.md). A restored vm keeps its
+    /// snapshot's (its vCPUs' CPUID is saved state); it is set here so
+    /// that its next snapshot records it too.
+    pub cpu_template: Option<snapshot::template::Template>,
 }
 
 impl Default for VmConfig {
@@ -76,6 +81,7 @@ impl Default for VmConfig {
             nets: Vec::new(),
             vsock: None,
             kvm_device: PathBuf::from("/dev/kvm"),
+            cpu_template: None,
         }
     }
 }

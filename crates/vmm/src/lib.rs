@@ -57,6 +57,8 @@ use crate::vm::Vm;
 pub use builder::{build, restore, BuildError};
 pub use config::VmConfig;
 pub use moment::Moment;
+/// CPU templates (tine-snapshot's), for the crates that start VMMs.
+pub use snapshot::template as cpu_template;
 pub use state::{FpuState, MachineState, VcpuState, VmState, XsaveState};
 pub use vstate::{ControlError, RunningVcpus, VmmHandle};
 

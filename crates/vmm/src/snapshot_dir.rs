@@ -105,7 +105,7 @@ pub enum SnapshotDirError {
     Incompatible {
         dir: PathBuf,
         #[source]
-        source: snapshot::compat::CompatError,
+        source: Box<snapshot::compat::CompatError>,
     },
 }
 
@@ -208,12 +208,16 @@ fn finish(
 
     let config = &parts.config;
     let host = crate::compat::host_compat(&config.kvm_device)?;
-    let compat = crate::compat::snapshot_compat(
+    let mut compat = crate::compat::snapshot_compat(
         &parts.moment.machine,
         parts.moment.layout.kinds(),
         parts.moment.mem_mib,
         &host,
     );
+    compat.cpu_template = config
+        .cpu_template
+        .as_ref()
+        .map(snapshot::template::TemplateRecord::of);
     let disks = config
         .disks
         .iter()
@@ -350,7 +354,7 @@ pub fn check_host(dir: &Path, manifest: &Manifest, kvm: &Path) -> Result<(), Sna
     snapshot::compat::check(&manifest.compat, &host).map_err(|source| {
         SnapshotDirError::Incompatible {
             dir: dir.into(),
-            source,
+            source: Box::new(source),
         }
     })
 }

@@ -20,6 +20,8 @@ use std::thread::JoinHandle;
 use kvm_bindings::{kvm_msr_entry, CpuId, Msrs, Xsave, KVM_MAX_CPUID_ENTRIES, KVM_MAX_MSR_ENTRIES};
 use kvm_ioctls::{Cap, VcpuExit, VcpuFd, VmFd};
 
+use snapshot::template::Template;
+
 use crate::arch::x86_64::{cpuid, msr, regs};
 use crate::devices::Bus;
 use crate::exit::{ExitNotifier, GuestExit};
@@ -86,6 +88,14 @@ pub enum VcpuError {
     /// The signal handler that kicks vCPUs out of KVM_RUN could not be installed.
     #[error("Cannot install the vCPU kick signal handler")]
     KickHandler(#[source] std::io::Error),
+    /// KVM would not read or take an MSR the CPU template sets.
+    #[error("vCPU {index}: KVM would not {what} MSR {msr:#x}, which CPU template {template} sets")]
+    TemplateMsr {
+        index: u8,
+        template: String,
+        msr: u32,
+        what: &'static str,
+    },
     /// The thread could not be started.
     #[error("vCPU {index}: cannot start its thread")]
     Spawn {
@@ -228,7 +238,8 @@ impl Vcpu {
     pub fn configure_boot(
         &self,
         mem: &GuestMemoryMmap,
-        supported_cpuid: &CpuId,
+        cpuid: &CpuId,
+        template: Option<&Template>,
         vcpu_count: u8,
         entry: u64,
     ) -> Result<(), VcpuError> {
@@ -240,11 +251,14 @@ impl Vcpu {
                 source,
             }
         };
-        let mut cpuid = supported_cpuid.clone();
+        let mut cpuid = cpuid.clone();
         cpuid::filter_cpuid(&mut cpuid, index, vcpu_count);
         self.fd.set_cpuid2(&cpuid).map_err(kvm("KVM_SET_CPUID2"))?;
         let msrs = msr::boot_msrs().map_err(|_| VcpuError::Msrs { index })?;
         self.fd.set_msrs(&msrs).map_err(kvm("KVM_SET_MSRS"))?;
+        if let Some(t) = template {
+            self.apply_msr_template(t)?;
+        }
         self.fd
             .set_regs(&regs::boot_regs(entry))
             .map_err(kvm("KVM_SET_REGS"))?;
@@ -257,6 +271,58 @@ impl Vcpu {
         self.fd.set_sregs(&sregs).map_err(kvm("KVM_SET_SREGS"))?;
         self.set_lint()?;
         Ok(())
+    }
+
+    /// The CPUID KVM holds for this vCPU (KVM_GET_CPUID2, without the
+    /// zeroed entries after the valid ones).
+    pub fn cpuid(&self) -> Result<Vec<kvm_bindings::kvm_cpuid_entry2>, VcpuError> {
+        let mut cpuid = self
+            .fd
+            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+            .map_err(self.kvm_err("KVM_GET_CPUID2"))?;
+        cpuid.retain(|e| !(e.function == 0 && e.index == 0 && e.flags == 0 && e.eax == 0));
+        Ok(cpuid.as_slice().to_vec())
+    }
+
+    /// Sets the MSRs a CPU template modifies: each one's value as KVM
+    /// initialized it, with the template's bits replaced. KVM must take
+    /// every one (KVM_SET_MSRS reports how many it set).
+    fn apply_msr_template(&self, template: &Template) -> Result<(), VcpuError> {
+        for m in &template.msr_modifiers {
+            let mut one = Msrs::from_entries(&[kvm_msr_entry {
+                index: m.addr,
+                ..Default::default()
+            }])
+            .map_err(|_| VcpuError::Msrs { index: self.index })?;
+            let read = self
+                .fd
+                .get_msrs(&mut one)
+                .map_err(self.kvm_err("KVM_GET_MSRS"))?;
+            if read != 1 {
+                return Err(self.template_msr(template, m.addr, "read"));
+            }
+            let Some(e) = one.as_mut_slice().first_mut() else {
+                return Err(self.template_msr(template, m.addr, "read"));
+            };
+            e.data = m.bitmap.apply(e.data);
+            let set = self
+                .fd
+                .set_msrs(&one)
+                .map_err(self.kvm_err("KVM_SET_MSRS"))?;
+            if set != 1 {
+                return Err(self.template_msr(template, m.addr, "set"));
+            }
+        }
+        Ok(())
+    }
+
+    fn template_msr(&self, template: &Template, addr: u32, what: &'static str) -> VcpuError {
+        VcpuError::TemplateMsr {
+            index: self.index,
+            template: template.name.clone(),
+            msr: addr,
+            what,
+        }
     }
 
     /// Routes LINT0 as ExtINT and LINT1 as NMI, as a PC's firmware does.
