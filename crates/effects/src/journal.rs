@@ -494,9 +494,44 @@ impl Row {
 enum Db {
     /// SQLite; `seq` is the sequence's last value (one gateway per file,
     /// so an in-memory counter suffices).
-    Sqlite { conn: Connection, seq: i64 },
-    /// PostgreSQL; `None` only while the journal is dropped.
-    Postgres(Option<postgres::Client>),
+    Sqlite {
+        conn: Connection,
+        seq: i64,
+    },
+    Postgres(Box<Pg>),
+}
+
+/// A PostgreSQL connection that comes back: a database restarted (or a
+/// connection cut) fails the statement it was running, and the next call
+/// connects again rather than failing until the gateway restarts.
+struct Pg {
+    url: String,
+    shown: String,
+    /// `None` only while the journal is dropped.
+    client: Option<postgres::Client>,
+}
+
+impl Pg {
+    fn connect(url: &str, shown: &str) -> Result<postgres::Client, Error> {
+        blocking(|| postgres::Client::connect(url, postgres::NoTls))
+            .map_err(|e| Error::Journal(format!("{shown}: {}", crate::pg_error(&e))))
+    }
+
+    fn client(&mut self) -> Result<&mut postgres::Client, Error> {
+        if self
+            .client
+            .as_ref()
+            .is_some_and(postgres::Client::is_closed)
+        {
+            let new = Pg::connect(&self.url, &self.shown)?;
+            // Dropping a client blocks on its runtime (see `blocking`).
+            let old = self.client.replace(new);
+            blocking(move || drop(old));
+        }
+        self.client
+            .as_mut()
+            .ok_or_else(|| Error::Journal("the journal is closed".into()))
+    }
 }
 
 /// `?N` parameters as PostgreSQL spells them (`$N`).
@@ -552,12 +587,6 @@ fn pg_row(r: &postgres::Row) -> Result<Row, postgres::Error> {
 }
 
 impl Db {
-    fn pg(client: &mut Option<postgres::Client>) -> Result<&mut postgres::Client, Error> {
-        client
-            .as_mut()
-            .ok_or_else(|| Error::Journal("the journal is closed".into()))
-    }
-
     fn query(&mut self, sql: &str, args: &[V]) -> Result<Vec<Row>, Error> {
         match self {
             Db::Sqlite { conn, .. } => {
@@ -586,7 +615,7 @@ impl Db {
                 Ok(out)
             }
             Db::Postgres(c) => {
-                let c = Db::pg(c)?;
+                let c = c.client()?;
                 let sql = pg_sql(sql);
                 let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
                     args.iter().map(|a| a as _).collect();
@@ -605,7 +634,7 @@ impl Db {
                 .execute(rusqlite::params_from_iter(args))?
                 as u64),
             Db::Postgres(c) => {
-                let c = Db::pg(c)?;
+                let c = c.client()?;
                 let sql = pg_sql(sql);
                 let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
                     args.iter().map(|a| a as _).collect();
@@ -648,8 +677,8 @@ impl Drop for Journal {
     fn drop(&mut self) {
         // Closing a postgres client blocks on its runtime: do it where
         // that is allowed (see `blocking`).
-        if let Db::Postgres(c) = self.db.get_mut() {
-            if let Some(c) = c.take() {
+        if let Db::Postgres(pg) = self.db.get_mut() {
+            if let Some(c) = pg.client.take() {
                 blocking(move || drop(c));
             }
         }
@@ -731,12 +760,12 @@ impl Journal {
                         "a shared (PostgreSQL) journal needs the host's id".into(),
                     ));
                 }
-                let url = url.clone();
-                let client = blocking(move || postgres::Client::connect(&url, postgres::NoTls))
-                    .map_err(|e| {
-                        Error::Journal(format!("{}: {}", meta.shown(), crate::pg_error(&e)))
-                    })?;
-                Db::Postgres(Some(client))
+                let shown = meta.shown();
+                Db::Postgres(Box::new(Pg {
+                    client: Some(Pg::connect(url, &shown)?),
+                    url: url.clone(),
+                    shown,
+                }))
             }
         };
         let mut j = Journal {
@@ -803,7 +832,7 @@ impl Journal {
                 Ok(())
             }
             Db::Postgres(c) => {
-                let c = Db::pg(c)?;
+                let c = c.client()?;
                 blocking(|| -> Result<(), Error> {
                     let mut tx = c.transaction()?;
                     // Hosts that start at once would race on CREATE TABLE

@@ -337,3 +337,30 @@ fn test_postgres_needs_a_host_id() {
         "{err:?}"
     );
 }
+
+/// A connection the database cut (a restart, a failover) fails what it
+/// was running; the journal connects again for the next call.
+#[test]
+fn test_postgres_connects_again_after_a_cut() {
+    let url = pg::fresh_db("cut");
+    let meta = Meta::Postgres(url.clone());
+    let mut j = Journal::connect(&meta, "host-1").expect("open");
+    j.put_branch(&reg("r", vec![]), true).expect("branch");
+    let mut admin = postgres::Client::connect(&url, postgres::NoTls).expect("admin");
+    let cut: i64 = admin
+        .query_one(
+            "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .expect("terminate")
+        .get(0);
+    assert_eq!(cut, 1);
+    // The first call may see the cut; the next one works.
+    let _ = j.counts();
+    assert!(j.branch("r").expect("again").is_some());
+    assert!(j
+        .insert(&effect("r", "r", "k", "d"))
+        .expect("insert")
+        .is_some());
+}
