@@ -1386,12 +1386,30 @@ async fn execute(
 ) {
     let opts = shared.opts.clone();
     let finish = |o: Outcome, journal: &dyn Fn(&mut Journal) -> Result<(), Error>| {
-        tokio::task::block_in_place(|| {
+        let o = tokio::task::block_in_place(|| {
             let mut store = lock(&shared.store);
-            if let Err(e) = journal(&mut store.journal) {
-                eprintln!("tine gateway: cannot journal effect {id}: {e}");
-            }
+            let o = match journal(&mut store.journal) {
+                Ok(()) => o,
+                Err(e) => {
+                    eprintln!("tine gateway: cannot journal effect {id}: {e}");
+                    // A response is released only once it is recorded (a
+                    // shared journal's connection can be cut): unrecorded,
+                    // it goes to nobody and the effect is in doubt (marked
+                    // now over a new connection, or at the next start).
+                    match o {
+                        Outcome::Completed { .. } => {
+                            let why = format!(
+                                "the destination answered, but the journal could not record it: {e}"
+                            );
+                            let _ = store.journal.in_doubt(id, &why);
+                            Outcome::InDoubt(why)
+                        }
+                        o => o,
+                    }
+                }
+            };
             store.inflight.remove(&id);
+            o
         });
         tx.send_replace(Some(Arc::new(o)));
     };

@@ -488,3 +488,46 @@ fn test_two_hosts_one_postgres_journal() {
     let r = send(&woken[0], "POST", &srv.url("/after"), "y", &[]);
     assert_eq!((r.status, r.text().as_str()), (201, "/after #2"));
 }
+
+/// The shared journal's connection is cut (a database restart) while a
+/// request is at its destination: the response cannot be recorded, so it
+/// is not released; the effect is in doubt (recorded over a new
+/// connection), never sent again, and the gateway goes on serving.
+#[test]
+fn test_postgres_cut_while_sending_leaves_it_in_doubt() {
+    let db = common::pg::fresh_db("cut");
+    let srv = Server::start();
+    let gw = Gateway::start_meta(Some(&db));
+    let p = gw.root("p", Effects::default());
+    let url = srv.url("/slow?ms=1500");
+    let guest = {
+        let p = p.clone();
+        let url = url.clone();
+        std::thread::spawn(move || send(&p, "POST", &url, "x", &[]))
+    };
+    let t0 = std::time::Instant::now();
+    while srv.count("/slow") == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never sent");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut admin = postgres::Client::connect(&db, postgres::NoTls).expect("admin");
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .expect("cut");
+    let r = guest.join().expect("guest");
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.text().contains("could not record"), "{}", r.text());
+    let r = send(&p, "POST", &url, "x", &[]);
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.text().contains("in doubt"), "{}", r.text());
+    assert_eq!(srv.count("/slow"), 1);
+    let counts: BTreeMap<String, i64> =
+        gw.journal().counts().expect("counts").into_iter().collect();
+    assert_eq!(counts.get("in-doubt"), Some(&1), "{counts:?}");
+    let r = send(&p, "POST", &srv.url("/next"), "y", &[]);
+    assert_eq!((r.status, r.text().as_str()), (201, "/next #1"));
+}
