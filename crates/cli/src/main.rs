@@ -5,6 +5,7 @@
 
 mod agent_cmds;
 mod client;
+mod cpu_templates;
 mod image_cmd;
 mod machine;
 mod render;
@@ -29,6 +30,9 @@ struct Cli {
 pub enum Command {
     /// Start a vm in the background; returns when its agent answers.
     Run(verbs::RunArgs),
+    /// CPU templates (`--cpu-template`): the built-in ones and whether
+    /// this host satisfies each; `show` prints one as JSON.
+    CpuTemplates(cpu_templates::CpuTemplatesArgs),
     /// Run a command in a vm (stdin, stdout, stderr and exit code pass through).
     Exec(agent_cmds::ExecArgs),
     /// Copy a file into or out of a vm: `tine cp FILE NAME:/path`, `tine cp NAME:/path FILE` (`-` for stdin/stdout).

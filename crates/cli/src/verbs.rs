@@ -53,6 +53,12 @@ pub struct RunArgs {
     /// it goes over the one in the snapshot's manifest.
     #[arg(long)]
     contract: Option<PathBuf>,
+    /// CPU template: `t2`, `t2s` (`tine cpu-templates`) or a custom
+    /// template's JSON file. The guest sees the template's CPUID, and its
+    /// snapshots wake on any host that satisfies it. Not with --from (a
+    /// restore keeps its snapshot's).
+    #[arg(long, conflicts_with = "from")]
+    cpu_template: Option<String>,
     /// Run once per key: a repeat gets the first run's answer.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -78,6 +84,11 @@ impl RunArgs {
         s.timeout_s = self.timeout_secs;
         s.from = self.from.as_deref().map(absolute).transpose()?;
         s.contract = read_contract(self.contract.as_deref())?;
+        s.cpu_template = self
+            .cpu_template
+            .as_deref()
+            .map(crate::cpu_templates::for_run)
+            .transpose()?;
         if s.image.contains('/') {
             s.image = absolute(Path::new(&self.image))?.display().to_string();
         }
@@ -244,6 +255,7 @@ pub fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Vmm { args } => Ok(exec_vmm(&args)),
         Command::Image(cmd) => crate::image_cmd::run(cmd),
+        Command::CpuTemplates(args) => crate::cpu_templates::run(args),
         Command::Machine(cmd) => crate::machine::run(&crate::home()?, cmd),
         Command::Gateway(GatewayCommand::Serve) => Ok(exec(
             "tine-gateway",

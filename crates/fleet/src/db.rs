@@ -131,7 +131,9 @@ pub(crate) struct Db {
 
 impl std::fmt::Debug for Db {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Db").field("url", &self.url.describe()).finish()
+        f.debug_struct("Db")
+            .field("url", &self.url.describe())
+            .finish()
     }
 }
 
@@ -184,13 +186,12 @@ impl Db {
                 Ok(Conn::Sqlite(c))
             }
             MetaUrl::Postgres(u) => {
-                let c = postgres::Client::connect(u, postgres::NoTls).map_err(|e| {
-                    FleetError::Db {
+                let c =
+                    postgres::Client::connect(u, postgres::NoTls).map_err(|e| FleetError::Db {
                         at: self.url.describe(),
                         what: "connecting (is the server running? TINE_META names it)",
                         message: e.to_string(),
-                    }
-                })?;
+                    })?;
                 Ok(Conn::Pg(Box::new(c)))
             }
         }
@@ -296,19 +297,22 @@ fn sqlite_query(
     let mut st = c.prepare_cached(sql).map_err(sq(url, "preparing"))?;
     let cols = st.column_count();
     let rows = st
-        .query_map(rusqlite::params_from_iter(args.iter().map(sqlite_value)), |r| {
-            (0..cols)
-                .map(|i| {
-                    Ok(match r.get_ref(i)? {
-                        rusqlite::types::ValueRef::Integer(i) => V::I(i),
-                        rusqlite::types::ValueRef::Text(t) => {
-                            V::T(String::from_utf8_lossy(t).into_owned())
-                        }
-                        _ => V::Null,
+        .query_map(
+            rusqlite::params_from_iter(args.iter().map(sqlite_value)),
+            |r| {
+                (0..cols)
+                    .map(|i| {
+                        Ok(match r.get_ref(i)? {
+                            rusqlite::types::ValueRef::Integer(i) => V::I(i),
+                            rusqlite::types::ValueRef::Text(t) => {
+                                V::T(String::from_utf8_lossy(t).into_owned())
+                            }
+                            _ => V::Null,
+                        })
                     })
-                })
-                .collect::<rusqlite::Result<Vec<V>>>()
-        })
+                    .collect::<rusqlite::Result<Vec<V>>>()
+            },
+        )
         .map_err(sq(url, "querying"))?;
     rows.collect::<rusqlite::Result<Vec<_>>>()
         .map_err(sq(url, "reading rows"))
@@ -334,7 +338,8 @@ fn pg_row(r: &postgres::Row, url: &MetaUrl) -> Result<Vec<V>, FleetError> {
         .map(|i| {
             let t = r.columns()[i].type_();
             let v = if *t == Type::INT8 {
-                r.try_get::<_, Option<i64>>(i).map(|v| v.map_or(V::Null, V::I))
+                r.try_get::<_, Option<i64>>(i)
+                    .map(|v| v.map_or(V::Null, V::I))
             } else if *t == Type::INT4 {
                 r.try_get::<_, Option<i32>>(i)
                     .map(|v| v.map_or(V::Null, |v| V::I(v.into())))
@@ -383,7 +388,9 @@ fn migrate(c: &mut Conn, url: &MetaUrl) -> Result<(), FleetError> {
             tx.commit().map_err(sq(url, "migrating"))
         }
         Conn::Pg(c) => {
-            let mut tx = c.transaction().map_err(pg(url, "beginning the migration"))?;
+            let mut tx = c
+                .transaction()
+                .map_err(pg(url, "beginning the migration"))?;
             tx.execute("SELECT pg_advisory_xact_lock($1)", &[&PG_LOCK])
                 .map_err(pg(url, "locking"))?;
             tx.batch_execute(
@@ -427,12 +434,17 @@ mod tests {
     #[test]
     fn meta_url_parses() {
         let f = PathBuf::from("/x/tree.db");
-        assert_eq!(MetaUrl::parse(None, f.clone()).ok(), Some(MetaUrl::Sqlite(f.clone())));
+        assert_eq!(
+            MetaUrl::parse(None, f.clone()).ok(),
+            Some(MetaUrl::Sqlite(f.clone()))
+        );
         assert!(matches!(
             MetaUrl::parse(Some("postgresql://a@b/c"), f.clone()),
             Ok(MetaUrl::Postgres(_))
         ));
-        let e = MetaUrl::parse(Some("mysql://u:pw@h/d"), f).err().map(|e| e.to_string());
+        let e = MetaUrl::parse(Some("mysql://u:pw@h/d"), f)
+            .err()
+            .map(|e| e.to_string());
         let e = e.unwrap_or_default();
         assert!(e.contains("TINE_META") && !e.contains("pw"), "{e}");
     }

@@ -255,8 +255,14 @@ impl Fleet {
     /// Removes a host's rows (one that will not come back).
     pub fn forget(&self, id: &str) -> Result<bool, FleetError> {
         let n = self.db.write(&[
-            ("DELETE FROM fleet_vms WHERE host = $1", vec![V::T(id.into())]),
-            ("DELETE FROM fleet_hosts WHERE id = $1", vec![V::T(id.into())]),
+            (
+                "DELETE FROM fleet_vms WHERE host = $1",
+                vec![V::T(id.into())],
+            ),
+            (
+                "DELETE FROM fleet_hosts WHERE id = $1",
+                vec![V::T(id.into())],
+            ),
         ])?;
         Ok(n.get(1).copied().unwrap_or(0) > 0)
     }
@@ -400,8 +406,14 @@ mod tests {
             snapshot: Some(3),
             updated_ms: 0,
         };
-        f.heartbeat("h1", "a", &Capacity::default(), std::slice::from_ref(&vm), 60_000)
-            .expect("heartbeat");
+        f.heartbeat(
+            "h1",
+            "a",
+            &Capacity::default(),
+            std::slice::from_ref(&vm),
+            60_000,
+        )
+        .expect("heartbeat");
         let vms = f.vms().expect("vms");
         assert_eq!(vms.len(), 1);
         assert_eq!(vms[0].snapshot, Some(3));
@@ -439,7 +451,10 @@ mod tests {
     #[test]
     fn capacity_probe_reads_this_machine() {
         let c = Capacity::probe(0, 0);
-        assert!(c.mem_total_mib > 0 && c.mem_available_mib <= c.mem_total_mib, "{c:?}");
+        assert!(
+            c.mem_total_mib > 0 && c.mem_available_mib <= c.mem_total_mib,
+            "{c:?}"
+        );
         assert!(c.vcpus >= 1);
     }
 }

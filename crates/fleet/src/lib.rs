@@ -10,7 +10,7 @@ pub mod place;
 
 pub use db::{redact, MetaUrl};
 pub use hosts::{Capacity, Fleet, HostRow, HostState, Registration, VmRow};
-pub use place::{place, Need, Placement, Refusal};
+pub use place::{place, place_many, Need, Placement, Refusal};
 
 /// An error of the fleet's database or configuration.
 #[derive(Debug, thiserror::Error)]

@@ -100,7 +100,11 @@ fn score(h: &HostRow, need: &Need, used: u64, prefer: Option<&str>) -> f64 {
         .mem_available_mib
         .saturating_sub(used + need.mem_mib) as f64;
     let load = h.capacity.vms as f64 / h.capacity.vcpus.max(1) as f64;
-    let local = if prefer == Some(h.id.as_str()) { 0.10 } else { 0.0 };
+    let local = if prefer == Some(h.id.as_str()) {
+        0.10
+    } else {
+        0.0
+    };
     free_after / total - 0.25 * load + local
 }
 
@@ -229,7 +233,11 @@ mod tests {
 
     #[test]
     fn picks_the_emptiest_compatible_host() {
-        let hosts = [host("a", 1000, 0, 0b11), host("b", 3000, 0, 0b01), host("c", 2000, 0, 0b11)];
+        let hosts = [
+            host("a", 1000, 0, 0b11),
+            host("b", 3000, 0, 0b01),
+            host("c", 2000, 0, 0b11),
+        ];
         let need = Need {
             mem_mib: 256,
             vcpus: 1,
@@ -272,6 +280,9 @@ mod tests {
         assert_eq!(on_a, 2, "{p:?}");
         // 1300 - 256 reserve = 1044: four fit per host, so ten do not.
         let r = place_many(&hosts, &need, 10, None).expect_err("too many");
-        assert!(r.to_string().contains("full") || r.to_string().contains("free"), "{r}");
+        assert!(
+            r.to_string().contains("full") || r.to_string().contains("free"),
+            "{r}"
+        );
     }
 }

@@ -139,10 +139,14 @@ pub struct ForkReport {
     pub wake: Vec<wake::Woken>,
     /// Failed wake steps and other trouble (the fork itself happened).
     pub problems: Vec<String>,
+    /// The host each child runs on, in order, when a fleet's fork of a
+    /// sleeping branch spread them (empty: all on this host).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
 }
 
 /// The children's names of `spec` for vm `name`, checked.
-pub(crate) fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<String>> {
+pub fn child_names(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<Vec<String>> {
     let names: Vec<String> = match (&spec.names, spec.count) {
         (Some(list), n) => {
             let v: Vec<String> = list.iter().map(|s| s.trim().to_string()).collect();
@@ -408,6 +412,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         total_ms,
         wake: woken,
         problems,
+        hosts: vec![],
     })
 }
 

@@ -485,6 +485,23 @@ pub(crate) fn fork_sleeping(
     spec: &crate::fork::ForkSpec,
 ) -> crate::Result<crate::fork::ForkReport> {
     let names = crate::fork::child_names(h, branch, spec)?;
+    fork_sleeping_by(h, branch, spec, &names, &|n, w| {
+        wake(h, branch, w, &store::NoProgress)
+            .with_context(|| format!("cannot wake {n:?} from {branch:?}"))
+    })
+}
+
+/// [`fork`] of a sleeping branch into `names`, each child woken by
+/// `wake_child(name, spec)`: here, or (tined, in a fleet) on the host
+/// placement picked for it.
+pub fn fork_sleeping_by(
+    h: &Host,
+    branch: &str,
+    spec: &crate::fork::ForkSpec,
+    names: &[String],
+    wake_child: &dyn Fn(&str, &WakeSpec) -> crate::Result<RunReport>,
+) -> crate::Result<crate::fork::ForkReport> {
+    let names = names.to_vec();
     for n in &names {
         if crate::branches::has_branch_in(&h.home, n) {
             return Err(Error::conflict(format!(
@@ -502,17 +519,14 @@ pub(crate) fn fork_sleeping(
         ..Default::default()
     };
     for (i, n) in names.iter().enumerate() {
-        let woken = wake(
-            h,
-            branch,
+        let woken = wake_child(
+            n,
             &WakeSpec {
                 name: Some(n.clone()),
                 contract: spec.contract.clone(),
                 ..WakeSpec::default()
             },
-            &store::NoProgress,
-        )
-        .with_context(|| format!("cannot wake {n:?} from {branch:?}"));
+        );
         let s = match woken {
             Ok(s) => s,
             Err(e) if i == 0 => return Err(e),

@@ -354,7 +354,11 @@ pub async fn fork_vm(
     idempotent(&s, &headers, fp, || async {
         let st = s.clone();
         let n = name.clone();
-        let report = blocking(move || host::tree::fork(&st.host, &n, &spec)).await?;
+        let report = blocking(move || match crate::fleet::fork_sleeping(&st, &n, &spec)? {
+            Some(r) => Ok(r),
+            None => host::tree::fork(&st.host, &n, &spec),
+        })
+        .await?;
         s.metrics.forks.inc();
         if let Some(p) = report.pause_ms {
             s.metrics.fork_pause.observe(p / 1000.0);
@@ -1112,11 +1116,10 @@ pub async fn forget_host(
             .get()
             .ok_or_else(|| host::Error::not_found("this tined is in no fleet"))?;
         let err = |e: fleet::FleetError| host::Error::internal(e.to_string());
-        let h = m
-            .fleet
-            .host(&id)
-            .map_err(err)?
-            .ok_or_else(|| host::Error::not_found(format!("no host {id:?} (see `tine hosts`)")))?;
+        let h =
+            m.fleet.host(&id).map_err(err)?.ok_or_else(|| {
+                host::Error::not_found(format!("no host {id:?} (see `tine hosts`)"))
+            })?;
         if h.state == fleet::HostState::Up {
             return Err(host::Error::conflict(format!(
                 "host {id:?} is up (heartbeat {} ms ago); stop its tined first",

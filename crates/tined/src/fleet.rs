@@ -53,9 +53,8 @@ fn host_id(home: &Path, given: Option<String>) -> anyhow::Result<String> {
                 _ => {
                     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
                         .unwrap_or_else(|_| "host".into());
-                    let suffix = effects::random_id().unwrap_or_else(|_| {
-                        host::state::now_ms().to_string()
-                    });
+                    let suffix =
+                        effects::random_id().unwrap_or_else(|_| host::state::now_ms().to_string());
                     let id = format!("{}-{}", name.trim(), &suffix[..suffix.len().min(6)]);
                     host::state::write_atomic(&file, id.as_bytes())?;
                     id
@@ -63,8 +62,7 @@ fn host_id(home: &Path, given: Option<String>) -> anyhow::Result<String> {
             }
         }
     };
-    host::state::validate_name(&id)
-        .map_err(|e| anyhow::anyhow!("host id {id:?}: {e}"))?;
+    host::state::validate_name(&id).map_err(|e| anyhow::anyhow!("host id {id:?}: {e}"))?;
     Ok(id)
 }
 
@@ -117,8 +115,8 @@ pub fn join(
     )?;
     let fleet = fleet::Fleet::open(&url)?;
     let id = host_id(&h.home, given_id)?;
-    let address = advertise
-        .unwrap_or_else(|| format!("unix:{}", h.home.join("tined.sock").display()));
+    let address =
+        advertise.unwrap_or_else(|| format!("unix:{}", h.home.join("tined.sock").display()));
     if !(address.starts_with("unix:/") || address.starts_with("http://")) {
         anyhow::bail!("--advertise {address:?}: say unix:/path/to/tined.sock or http://host:port");
     }
@@ -199,10 +197,58 @@ pub fn decide_wake(
         }
         None => hosts,
     };
-    let p = fleet::place(&candidates, &need, Some(&m.id)).map_err(|r| {
-        host::Error::conflict(format!("cannot wake {branch:?}: {r}"))
-    })?;
+    let p = fleet::place(&candidates, &need, Some(&m.id))
+        .map_err(|r| host::Error::conflict(format!("cannot wake {branch:?}: {r}")))?;
     Ok((p.host != m.id).then_some(p))
+}
+
+/// A fork of a sleeping branch in a shared fleet: each child wakes on the
+/// host placement picks for it (they spread once a host fills). `None`:
+/// not this case (no shared fleet, or `branch` is not sleeping), the
+/// engine forks it here.
+pub fn fork_sleeping(
+    st: &Shared,
+    branch: &str,
+    spec: &host::fork::ForkSpec,
+) -> host::Result<Option<host::fork::ForkReport>> {
+    let Some(m) = st.fleet.get() else {
+        return Ok(None);
+    };
+    if !m.fleet.shared() || !host::branches::is_sleeping(&st.host, branch) {
+        return Ok(None);
+    }
+    let h = &st.host;
+    let names = host::fork::child_names(h, branch, spec)?;
+    let needs = host::tree::branch_needs(h, branch)?;
+    let hosts = m.fleet.hosts().map_err(fleet_err)?;
+    let need = fleet::Need {
+        mem_mib: needs.mem_mib,
+        vcpus: needs.vcpus as u64,
+        compat: Some(needs.compat),
+    };
+    let placed = fleet::place_many(&hosts, &need, names.len(), Some(&m.id))
+        .map_err(|r| host::Error::conflict(format!("cannot fork {branch:?}: {r}")))?;
+    let by_name: std::collections::HashMap<&str, &fleet::Placement> = names
+        .iter()
+        .map(String::as_str)
+        .zip(placed.iter())
+        .collect();
+    let path = format!("/v1/branches/{branch}/wake");
+    let mut report = host::tree::fork_sleeping_by(h, branch, spec, &names, &|n, w| {
+        let p = by_name
+            .get(n)
+            .ok_or_else(|| host::Error::internal(format!("no placement for {n:?}")))?;
+        if p.host == m.id {
+            return host::tree::wake(h, branch, w, &store::NoProgress)
+                .map_err(|e| e.context(format!("cannot wake {n:?} from {branch:?}")));
+        }
+        let mut w = w.clone();
+        w.host = Some(p.host.clone());
+        let v = remote_operation(&p.address, &path, &serde_json::to_value(&w)?)?;
+        Ok(serde_json::from_value(v)?)
+    })?;
+    report.hosts = placed.iter().map(|p| p.host.clone()).collect();
+    Ok(Some(report))
 }
 
 fn fleet_err(e: fleet::FleetError) -> host::Error {
@@ -304,9 +350,9 @@ async fn call(
         )));
     };
     let (status, body) = resp.map_err(|e| unreachable(&e))?;
-    let v = serde_json::from_slice(&body).unwrap_or_else(|_| {
-        serde_json::json!({ "code": "failed", "message": String::from_utf8_lossy(&body) })
-    });
+    let v = serde_json::from_slice(&body).unwrap_or_else(
+        |_| serde_json::json!({ "code": "failed", "message": String::from_utf8_lossy(&body) }),
+    );
     Ok((status, v))
 }
 

@@ -31,7 +31,11 @@ impl Servers {
         };
         for args in [
             vec!["pg".to_string()],
-            vec!["garage".to_string(), String::new(), garage_nodes.to_string()],
+            vec![
+                "garage".to_string(),
+                String::new(),
+                garage_nodes.to_string(),
+            ],
         ] {
             let mut a = args.clone();
             if a.len() > 1 {
@@ -60,10 +64,7 @@ impl Servers {
 
 impl Drop for Servers {
     fn drop(&mut self) {
-        let _ = Command::new(script())
-            .arg("stop")
-            .arg(&self.dir)
-            .status();
+        let _ = Command::new(script()).arg("stop").arg(&self.dir).status();
     }
 }
 
@@ -142,14 +143,20 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     // h2 sees the branch (one tree), and wakes it, asked on h1.
     let branches = h2.get("/v1/branches").expect(200);
     assert!(
-        branches.as_array().is_some_and(|b| b.iter().any(|b| b["name"] == "w")),
+        branches
+            .as_array()
+            .is_some_and(|b| b.iter().any(|b| b["name"] == "w")),
         "{branches}"
     );
     let woken = h1.operation_ok("/v1/branches/w/wake", json!({"host": "h2"}));
     assert_eq!(woken["name"], "w", "{woken}");
     assert_eq!(h2.get("/v1/vms/w").expect(200)["state"], "running");
     h1.get("/v1/vms/w").expect_error(404, "not_found");
-    assert_eq!(sum(&h2, "w", 8), s1, "woken on h2 with the memory it had on h1");
+    assert_eq!(
+        sum(&h2, "w", 8),
+        s1,
+        "woken on h2 with the memory it had on h1"
+    );
     // It goes on from there: written on h2, slept again.
     let s2 = last_word(&h2.ask("w", "touch 4 9", "TOUCHED"));
     h2.operation_ok("/v1/vms/w/sleep", json!({}));
@@ -173,7 +180,11 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     let runner = if on[0] == "h1" { &h1 } else { &h2 };
     assert_eq!(sum(runner, "w", 4), s2);
     // Copies of the branch spread: one pinned on each of the other hosts.
-    let other = if on[0] == "h1" { ("h2", &h2) } else { ("h1", &h1) };
+    let other = if on[0] == "h1" {
+        ("h2", &h2)
+    } else {
+        ("h1", &h1)
+    };
     runner.operation_ok("/v1/vms/w/sleep", json!({}));
     let c = h3.operation_ok(
         "/v1/branches/w/wake",
@@ -181,6 +192,54 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     );
     assert_eq!(c["name"], "w-copy");
     assert_eq!(sum(other.1, "w-copy", 4), s2);
+
+    // A fork of the sleeping branch into 4 spreads over the hosts that
+    // can run it (h3 cannot), each child with the branch's memory.
+    let f = h2.post("/v1/vms/w/fork", json!({"count": 4})).expect(200);
+    let names: Vec<String> = f["names"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|n| n.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let on: Vec<String> = f["hosts"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|n| n.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!((names.len(), on.len()), (4, 4), "{f}");
+    assert!(
+        on.iter().any(|h| h == "h1") && on.iter().any(|h| h == "h2"),
+        "spread: {f}"
+    );
+    assert!(!on.iter().any(|h| h == "h3"), "{f}");
+    for (n, at) in names.iter().zip(&on) {
+        let t = if at == "h1" { &h1 } else { &h2 };
+        assert_eq!(
+            t.get(&format!("/v1/vms/{n}")).expect(200)["state"],
+            "running"
+        );
+        assert_eq!(sum(t, n, 4), s2, "child {n} on {at}");
+    }
+    // Asked of any host, `tine hosts` counts them (by the next heartbeats).
+    let vms = |v: &Value| -> u64 {
+        v["hosts"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|h| h["capacity"]["vms"].as_u64()).sum())
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut view = hosts(&h3);
+    while vms(&view) < 5 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        view = hosts(&h3);
+    }
+    assert_eq!(vms(&view), 5, "w-copy and 4 children: {view}");
 
     // The tree is one: every host lists the same branches; verify passes
     // on each.
@@ -231,7 +290,10 @@ fn test_host_loss_is_seen_and_its_vms_named() {
     assert_eq!(state_of(&view, "h2"), "lost", "{view}");
     assert_eq!(state_of(&view, "h1"), "up", "{view}");
     let lost = view["lost_vms"].as_array().cloned().unwrap_or_default();
-    assert!(lost.iter().any(|v| v["name"] == "c" && v["host"] == "h2"), "{view}");
+    assert!(
+        lost.iter().any(|v| v["name"] == "c" && v["host"] == "h2"),
+        "{view}"
+    );
     // A lost host is passed over by placement, and can be forgotten.
     h1.delete("/v1/hosts/h1").expect_error(409, "conflict");
     h1.delete("/v1/hosts/h2").expect(200);
