@@ -207,6 +207,16 @@ pub enum Command {
     /// API keys for tined's TCP listener (E2B's E2B_API_KEY).
     #[command(subcommand)]
     Keys(verbs::KeysCommand),
+    /// Move a running vm to another host of the fleet: it sleeps here into
+    /// the shared store and wakes there; prints how long it was stopped.
+    Move {
+        name: String,
+        /// The host (default: the one placement picks among the others).
+        #[arg(long)]
+        to: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// The fleet's hosts (tineds sharing TINE_META): state, capacity,
     /// vms; and the vms of hosts that were lost.
     Hosts {

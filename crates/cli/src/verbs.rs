@@ -562,6 +562,29 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
         Command::Effects(args) => effects(c, args),
         Command::Gateway(cmd) => gateway(c, cmd),
         Command::Keys(cmd) => keys(c, cmd),
+        Command::Move { name, to, json } => {
+            let mut bar = render::Bar::new();
+            let r: serde_json::Value = c.operation(
+                &format!("/v1/vms/{name}/move"),
+                &serde_json::json!({ "to": to }),
+                |p| bar.update(p),
+            )?;
+            bar.finish();
+            if json {
+                render::json(&r, true)?;
+            } else {
+                println!(
+                    "{name}: moved from {} to {}, stopped {} (its pause {}, stored {}, woken there in {})",
+                    r["from"].as_str().unwrap_or("?"),
+                    r["to"].as_str().unwrap_or("?"),
+                    human_ms(r["downtime_ms"].as_f64().unwrap_or(0.0)),
+                    human_ms(r["sleep"]["pause_ms"].as_f64().unwrap_or(0.0)),
+                    human_ms(r["sleep"]["store_ms"].as_f64().unwrap_or(0.0)),
+                    human_ms(r["wake"]["ready_ms"].as_f64().unwrap_or(0.0)),
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Hosts { cmd, json } => hosts(c, cmd.unwrap_or(HostsCommand::Ls), json),
         Command::Events => {
             use std::io::Write;

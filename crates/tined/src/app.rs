@@ -581,6 +581,35 @@ pub async fn sleep_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiR
     ))
 }
 
+/// Where to move a vm.
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct MoveSpec {
+    /// The host (default: the one placement picks among the others).
+    #[serde(default)]
+    pub to: Option<String>,
+}
+
+#[utoipa::path(post, path = "/v1/vms/{name}/move", tag = "fleet",
+    request_body = MoveSpec, params(("name" = String, Path)),
+    responses((status = 202, body = Operation, description = "result: MoveReport"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub async fn move_vm(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+    JsonBody(spec): JsonBody<MoveSpec>,
+) -> ApiResult<Response> {
+    vm_runs(&s, &name, "be moved").await?;
+    let st = s.clone();
+    Ok(start_operation(
+        &s,
+        "move",
+        name.clone(),
+        "vm.moved",
+        move |_h, p| crate::fleet::move_vm(&st, &name, spec.to.as_deref(), p),
+    ))
+}
+
 #[utoipa::path(get, path = "/v1/vms/{name}/disks", tag = "vms",
     params(("name" = String, Path)),
     responses((status = 200, description = "Each disk's layers, top first")))]

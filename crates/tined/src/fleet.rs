@@ -251,6 +251,94 @@ pub fn fork_sleeping(
     Ok(Some(report))
 }
 
+/// What a move did.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct MoveReport {
+    pub name: String,
+    pub from: String,
+    pub to: String,
+    /// The sleep on this host.
+    #[schema(value_type = Object)]
+    pub sleep: host::tree::SleepReport,
+    /// The wake on the other one.
+    #[schema(value_type = Object)]
+    pub wake: serde_json::Value,
+    /// From the start of the sleep until the vm ran on `to`: the most the
+    /// guest was stopped (its own pause is part of it).
+    pub downtime_ms: f64,
+}
+
+/// Moves running vm `name` to host `to` (or the one placement picks
+/// among the others): it sleeps here into the shared store and wakes
+/// there (the working-set pack fetched first). A wake that fails leaves
+/// the branch sleeping, and says so.
+pub fn move_vm(
+    st: &Shared,
+    name: &str,
+    to: Option<&str>,
+    bar: &dyn store::Progress,
+) -> host::Result<MoveReport> {
+    let m = st.fleet.get().filter(|m| m.fleet.shared()).ok_or_else(|| {
+        host::Error::invalid(
+            "moving needs a fleet: hosts sharing TINE_META=postgres://... and TINE_STORE=s3://...",
+        )
+    })?;
+    if to == Some(m.id.as_str()) {
+        return Err(host::Error::invalid(format!(
+            "{name:?} runs on {} already",
+            m.id
+        )));
+    }
+    let info = host::vm::info(&st.host, name)?;
+    // Known before anything stops: the target is up and has room.
+    let hosts: Vec<fleet::HostRow> = m
+        .fleet
+        .hosts()
+        .map_err(fleet_err)?
+        .into_iter()
+        .filter(|h| h.id != m.id && to.is_none_or(|t| t == h.id))
+        .collect();
+    if let Some(t) = to {
+        if hosts.is_empty() {
+            return Err(host::Error::not_found(format!(
+                "no host {t:?} in the fleet (see `tine hosts`)"
+            )));
+        }
+    }
+    let need = fleet::Need {
+        mem_mib: info.mem_mib,
+        vcpus: u64::from(info.vcpus),
+        compat: None,
+    };
+    let target = fleet::place(&hosts, &need, None)
+        .map_err(|r| host::Error::conflict(format!("cannot move {name:?}: {r}")))?;
+    let t0 = std::time::Instant::now();
+    let sleep = host::tree::sleep(&st.host, name, bar)?;
+    let spec = host::tree::WakeSpec {
+        host: Some(target.host.clone()),
+        ..Default::default()
+    };
+    let wake = remote_operation(
+        &target.address,
+        &format!("/v1/branches/{}/wake", sleep.branch),
+        &serde_json::to_value(&spec)?,
+    )
+    .map_err(|e| {
+        e.context(format!(
+            "{name:?} sleeps as branch {:?} (snapshot {}), but waking it on {} failed; wake it with `tine wake {}`",
+            sleep.branch, sleep.snapshot, target.host, sleep.branch
+        ))
+    })?;
+    Ok(MoveReport {
+        name: name.into(),
+        from: m.id.clone(),
+        to: target.host,
+        sleep,
+        wake,
+        downtime_ms: t0.elapsed().as_secs_f64() * 1000.0,
+    })
+}
+
 fn fleet_err(e: fleet::FleetError) -> host::Error {
     host::Error::internal(e.to_string())
 }

@@ -241,6 +241,30 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     }
     assert_eq!(vms(&view), 5, "w-copy and 4 children: {view}");
 
+    // A running vm moves: it sleeps on h1 and wakes on h2 in one call.
+    h1.run("mv", "micro-memtouch");
+    h1.wait_line("mv", 0, |l| l.starts_with("READY"));
+    let m1 = last_word(&h1.ask("mv", "touch 8 3", "TOUCHED"));
+    // Not to a host that is not there, and nothing stops for it.
+    let op = h1.operation("/v1/vms/mv/move", json!({"to": "h9"}));
+    assert_eq!(op["state"], "failed", "{op}");
+    assert!(
+        op["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no host \"h9\"")),
+        "{op}"
+    );
+    assert_eq!(h1.get("/v1/vms/mv").expect(200)["state"], "running");
+    let moved = h1.operation_ok("/v1/vms/mv/move", json!({"to": "h2"}));
+    assert_eq!(
+        (moved["from"].as_str(), moved["to"].as_str()),
+        (Some("h1"), Some("h2")),
+        "{moved}"
+    );
+    assert!(moved["downtime_ms"].as_f64() > Some(0.0), "{moved}");
+    h1.get("/v1/vms/mv").expect_error(404, "not_found");
+    assert_eq!(sum(&h2, "mv", 8), m1, "moved with its memory");
+
     // The tree is one: every host lists the same branches; verify passes
     // on each.
     for t in [&h1, &h2, &h3] {
