@@ -52,6 +52,12 @@ pub const EFFECT_HEADER: &str = "x-tine-effect";
 /// gateway right after a destination's response arrived, before it is
 /// journaled (a kill -9 at the worst moment).
 pub const FAULT_ENV: &str = "TINE_EFFECTS_FAULT";
+/// How often a gateway on a shared journal says it is alive.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+/// A gateway silent this long is gone: another host takes what it was
+/// sending as in doubt (twelve missed heartbeats, so a slow database or a
+/// busy host is not mistaken for a dead one).
+const HOST_GONE: Duration = Duration::from_secs(60);
 
 /// How the gateway runs.
 #[derive(Clone, Debug)]
@@ -179,6 +185,8 @@ pub fn serve(opts: Options) -> Result<(), Error> {
     }
     // SQLite here, or the fleet's PostgreSQL (TINE_META), as this host.
     let mut journal = Journal::connect(&paths.meta()?, &paths.host_id()?)?;
+    // Alive before anything is sent (see HOST_GONE).
+    journal.heartbeat()?;
     let doubted = journal.mark_in_doubt()?;
     if doubted > 0 {
         eprintln!(
@@ -208,6 +216,7 @@ pub fn serve(opts: Options) -> Result<(), Error> {
 }
 
 async fn run(shared: Arc<Shared>) -> Result<(), Error> {
+    tokio::spawn(heartbeat(shared.clone()));
     let regs = lock(&shared.store).journal.active_branches()?;
     for reg in regs {
         if let Err(e) = register(&shared, reg.clone()) {
@@ -245,6 +254,17 @@ async fn run(shared: Arc<Shared>) -> Result<(), Error> {
     }
     let _ = std::fs::remove_file(&control);
     Ok(())
+}
+
+/// Keeps this host's heartbeat in a shared journal fresh.
+async fn heartbeat(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(HEARTBEAT);
+    loop {
+        tick.tick().await;
+        if let Err(e) = tokio::task::block_in_place(|| lock(&shared.store).journal.heartbeat()) {
+            eprintln!("tine gateway: heartbeat: {e}");
+        }
+    }
 }
 
 // ---------------------------------------------------------------- control
@@ -1068,7 +1088,7 @@ async fn effect_inner(
             _ => store.journal.find(&tree, "", &key)?,
         };
         let d = match found {
-            Some(row) => decide(&store, row, &key, &reg.vm),
+            Some(row) => decide(&mut store, row, &key, &reg.vm),
             None => {
                 let id = store.journal.insert(&NewEffect {
                     tree: &tree,
@@ -1096,7 +1116,7 @@ async fn effect_inner(
                     // Another host's gateway took the key meanwhile
                     // (a shared journal): its row decides.
                     None => match store.journal.find(&tree, &scope, &key)? {
-                        Some(row) => decide(&store, row, &key, &reg.vm),
+                        Some(row) => decide(&mut store, row, &key, &reg.vm),
                         None => Decision::Error(
                             StatusCode::INTERNAL_SERVER_ERROR,
                             "the key was taken meanwhile; retry".into(),
@@ -1237,21 +1257,31 @@ fn in_doubt_msg(key: &str, why: &str, vm: &str) -> String {
     )
 }
 
-fn decide(store: &Store, row: EffectRow, key: &str, vm: &str) -> Decision {
+fn decide(store: &mut Store, row: EffectRow, key: &str, vm: &str) -> Decision {
     match row.state {
         State::Completed => Decision::Replay(Box::new(row)),
         State::Sent => match store.inflight.get(&row.id) {
             Some(rx) => Decision::Wait(rx.clone()),
             // Another host's gateway is sending it (a shared journal): its
-            // outcome is recorded there; the program's retry will find it.
+            // outcome is recorded there, and the program's retry finds it;
+            // unless that gateway is gone, and then nobody will.
             None if row.host.as_deref().is_some_and(|h| h != store.journal.host()) => {
-                Decision::Error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!(
-                        "effect {key} is being sent by the gateway of another host ({}); retry in a moment",
-                        row.host.as_deref().unwrap_or_default()
+                let owner = row.host.clone().unwrap_or_default();
+                match store.journal.doubt_if_host_gone(&row, HOST_GONE) {
+                    Ok(true) => match store.journal.get(row.id) {
+                        Ok(Some(r)) => decide(store, r, key, vm),
+                        _ => Decision::Error(
+                            StatusCode::CONFLICT,
+                            format!("effect {key} is in doubt: host {owner}'s gateway ended while sending it; see `tine effects`"),
+                        ),
+                    },
+                    _ => Decision::Error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!(
+                            "effect {key} is being sent by the gateway of another host ({owner}); retry in a moment"
+                        ),
                     ),
-                )
+                }
             }
             None => Decision::Error(
                 StatusCode::CONFLICT,

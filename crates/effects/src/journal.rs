@@ -29,7 +29,7 @@ use serde::Serialize;
 use crate::{Error, MomentKind, Registration};
 
 /// The schema this build writes; older journals are migrated on open.
-/// Both backends are at the same version.
+/// Both backends count to the same number (their steps differ).
 pub const SCHEMA_VERSION: i64 = 2;
 
 /// Selects the journal's database: unset, empty or `sqlite` is the local
@@ -105,9 +105,9 @@ CREATE INDEX effects_branches_vm ON effects_branches(vm);
 ];
 
 /// PostgreSQL migration `i` brings a journal from version `i` to `i + 1`.
-/// Version 1 is SQLite's version 2 from the start (there is no older
-/// PostgreSQL journal); the empty step keeps the numbers equal. Integers
-/// are BIGINT throughout (i64 on both sides), flags BOOLEAN.
+/// Version 1 has SQLite's version 2 tables from the start; version 2 adds
+/// the gateways' heartbeats (only a shared journal has other hosts).
+/// Integers are BIGINT throughout (i64 on both sides), flags BOOLEAN.
 const PG_MIGRATIONS: [&str; 2] = [
     r#"
 CREATE TABLE effects_branches (
@@ -167,8 +167,17 @@ CREATE TABLE effects_releases (
 CREATE INDEX effects_releases_branch ON effects_releases(branch, effect);
 CREATE INDEX effects_releases_effect ON effects_releases(effect);
 "#,
-    "",
+    r#"
+CREATE TABLE effects_hosts (
+    host TEXT PRIMARY KEY,
+    seen_ms BIGINT NOT NULL
+);
+"#,
 ];
+
+/// Now by the database's clock, in ms (hosts' clocks may disagree; a
+/// heartbeat and its check use the same clock).
+const PG_NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
 
 /// Held (transaction-scoped) while PostgreSQL migrations run: hosts that
 /// start together must not both create the tables. Any constant works;
@@ -907,6 +916,63 @@ impl Journal {
              WHERE state = 'sent' AND (CAST(?1 AS TEXT) = '' OR host = ?1)",
             &[host],
         )? as usize)
+    }
+
+    /// A shared journal: this host's gateway is alive (by the database's
+    /// clock). Other hosts take an effect this host was sending as in
+    /// doubt once its heartbeats stop ([`Journal::doubt_if_host_gone`]).
+    /// Nothing to do in a local journal.
+    pub fn heartbeat(&mut self) -> Result<(), Error> {
+        let mut db = self.db()?;
+        if let Db::Postgres(_) = &*db {
+            db.exec(
+                &format!(
+                    "INSERT INTO effects_hosts (host, seen_ms) VALUES (?1, {PG_NOW_MS})
+                     ON CONFLICT (host) DO UPDATE SET seen_ms = EXCLUDED.seen_ms"
+                ),
+                &[self.host.as_str().into()],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `row` is `sent` by another host's gateway: if that gateway has not
+    /// beaten for `silent` (it died, or its host is gone), nobody will
+    /// record its outcome: it becomes in doubt (one statement, so the
+    /// check and the change cannot be split by that host's late
+    /// heartbeat). Returns whether it did.
+    pub fn doubt_if_host_gone(
+        &mut self,
+        row: &EffectRow,
+        silent: std::time::Duration,
+    ) -> Result<bool, Error> {
+        let Some(owner) = row.host.as_deref().filter(|h| *h != self.host) else {
+            return Ok(false);
+        };
+        let mut db = self.db()?;
+        if let Db::Sqlite { .. } = &*db {
+            return Ok(false);
+        }
+        let why = format!(
+            "the gateway of host {owner} stopped while the request was sent (no heartbeat for {} s); the destination may or may not have acted on it",
+            silent.as_secs()
+        );
+        let n = db.exec(
+            &format!(
+                "UPDATE effects_effects SET state = 'in-doubt', error = ?3, completed_ms = ?4
+                 WHERE id = ?1 AND state = 'sent' AND host = ?2
+                   AND NOT EXISTS (SELECT 1 FROM effects_hosts h
+                                   WHERE h.host = ?2 AND h.seen_ms > {PG_NOW_MS} - ?5)"
+            ),
+            &[
+                row.id.into(),
+                owner.into(),
+                why.as_str().into(),
+                now_ms().into(),
+                (silent.as_millis() as i64).into(),
+            ],
+        )?;
+        Ok(n > 0)
     }
 
     /// Records (or replaces) a branch's registration, whether it is

@@ -531,3 +531,66 @@ fn test_postgres_cut_while_sending_leaves_it_in_doubt() {
     let r = send(&p, "POST", &srv.url("/next"), "y", &[]);
     assert_eq!((r.status, r.text().as_str()), (201, "/next #1"));
 }
+
+/// A keyed request in flight through host 1's gateway: a copy behind host
+/// 2's with the same key is told to retry (503), then gets the response
+/// replayed. When host 1's gateway dies while sending, host 2 keeps
+/// saying retry while host 1's heartbeat is fresh, and once it is stale
+/// takes the effect as in doubt (409); the destination saw each once.
+#[test]
+fn test_another_hosts_effect_in_flight() {
+    let db = common::pg::fresh_db("inflight");
+    let srv = Server::start();
+    let mut h1 = Gateway::start_meta(Some(&db));
+    let h2 = Gateway::start_meta(Some(&db));
+    let p = h1.root("p", Effects::default());
+    let kids = h1.copy_onto(&p, &["p-2"], MomentKind::Fork, &h2);
+    let url = srv.url("/slow?ms=1000");
+    let wait_for = |n: usize| {
+        let t0 = std::time::Instant::now();
+        while srv.count("/slow") < n {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never sent");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let guest = {
+        let (p, url) = (p.clone(), url.clone());
+        std::thread::spawn(move || send(&p, "POST", &url, "x", &[("Idempotency-Key", "k1")]))
+    };
+    wait_for(1);
+    let r = send(&kids[0], "POST", &url, "x", &[("Idempotency-Key", "k1")]);
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("another host"), "{}", r.text());
+    assert_eq!(guest.join().expect("guest").status, 201);
+    let r = send(&kids[0], "POST", &url, "x", &[("Idempotency-Key", "k1")]);
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert!(r
+        .header("x-tine-effect")
+        .unwrap_or("")
+        .starts_with("replayed;"));
+
+    // Host 1's gateway dies while sending k2.
+    let url = srv.url("/slow?ms=3000");
+    let p2 = p.clone();
+    let url2 = url.clone();
+    // Its guest's connection breaks with the gateway: not awaited.
+    std::thread::spawn(move || raw(&p2.socket, post_bytes(&url2, "k2").as_bytes()));
+    wait_for(2);
+    h1.kill9();
+    let r = send(&kids[0], "POST", &url, "x", &[("Idempotency-Key", "k2")]);
+    assert_eq!(r.status, 503, "a fresh heartbeat: {}", r.text());
+    let mut admin = postgres::Client::connect(&db, postgres::NoTls).expect("admin");
+    admin
+        .execute("UPDATE effects_hosts SET seen_ms = seen_ms - 600000", &[])
+        .expect("age");
+    let r = send(&kids[0], "POST", &url, "x", &[("Idempotency-Key", "k2")]);
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.text().contains("in doubt"), "{}", r.text());
+    assert_eq!(srv.count("/slow"), 2);
+}
+
+fn post_bytes(url: &str, key: &str) -> String {
+    format!(
+        "POST {url} HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
+    )
+}

@@ -364,3 +364,53 @@ fn test_postgres_connects_again_after_a_cut() {
         .expect("insert")
         .is_some());
 }
+
+/// A host whose gateway stops beating while it was sending: after the
+/// silence, another host takes the effect as in doubt (nobody will record
+/// its outcome); before it, or for a live host, nothing changes.
+#[test]
+fn test_a_gone_hosts_effect_becomes_in_doubt() {
+    let url = pg::fresh_db("gone");
+    let meta = Meta::Postgres(url.clone());
+    let mut a = Journal::connect(&meta, "host-a").expect("host a");
+    let mut b = Journal::connect(&meta, "host-b").expect("host b");
+    a.heartbeat().expect("beat");
+    b.heartbeat().expect("beat");
+    let s = a
+        .insert(&effect("r", "r", "k", "d"))
+        .expect("insert")
+        .expect("new");
+    let row = b.get(s).expect("get").expect("row");
+    let minute = std::time::Duration::from_secs(60);
+    assert!(!b.doubt_if_host_gone(&row, minute).expect("alive"));
+    assert!(
+        !a.doubt_if_host_gone(&row, minute).expect("own"),
+        "never its own"
+    );
+    assert_eq!(b.get(s).expect("get").expect("row").state, State::Sent);
+    // A's last heartbeat was two minutes ago.
+    let mut admin = postgres::Client::connect(&url, postgres::NoTls).expect("admin");
+    admin
+        .execute(
+            "UPDATE effects_hosts SET seen_ms = seen_ms - 120000 WHERE host = 'host-a'",
+            &[],
+        )
+        .expect("age");
+    assert!(b.doubt_if_host_gone(&row, minute).expect("gone"));
+    let row = b.get(s).expect("get").expect("row");
+    assert_eq!(row.state, State::InDoubt);
+    assert!(
+        row.error.as_deref().unwrap_or("").contains("host-a"),
+        "{:?}",
+        row.error
+    );
+    assert!(!b.doubt_if_host_gone(&row, minute).expect("once"));
+    // A beats again: back among the living.
+    a.heartbeat().expect("beat");
+    let t = a
+        .insert(&effect("r", "r", "k2", "d"))
+        .expect("insert")
+        .expect("new");
+    let row = b.get(t).expect("get").expect("row");
+    assert!(!b.doubt_if_host_gone(&row, minute).expect("alive"));
+}
