@@ -308,6 +308,10 @@ pub struct EffectView {
     pub relation: String,
     /// The vm that executed it.
     pub executed_by: String,
+    /// The host whose gateway executed it (vm names are per host); absent
+    /// in journals from before hosts were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executed_on: Option<String>,
     pub started_ms: i64,
     pub completed_ms: Option<i64>,
     pub resp_bytes: Option<i64>,
@@ -1337,7 +1341,8 @@ impl Journal {
                     e.status, e.branch, COALESCE(b.vm, e.branch), e.started_ms, e.completed_ms,
                     e.resp_bytes, e.error,
                     EXISTS (SELECT 1 FROM effects_releases r
-                            WHERE r.effect = e.id AND r.branch = ?1 AND r.replay)
+                            WHERE r.effect = e.id AND r.branch = ?1 AND r.replay),
+                    e.host
              FROM effects_effects e LEFT JOIN effects_branches b ON b.id = e.branch
              WHERE e.branch = ?1
                 OR e.id IN (SELECT effect FROM effects_releases WHERE branch = ?1 AND replay)",
@@ -1373,6 +1378,7 @@ impl Journal {
                 status: r.opt_status(8)?,
                 relation: relation.into(),
                 executed_by: r.text(10)?,
+                executed_on: r.opt_text(16)?,
                 started_ms: r.i64(11)?,
                 completed_ms: r.opt_i64(12)?,
                 resp_bytes: r.opt_i64(13)?,

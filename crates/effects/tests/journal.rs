@@ -262,8 +262,12 @@ fn test_two_hosts_share_the_lineage() {
     let v = b.lineage_effects("c").expect("lineage");
     assert_eq!(v.len(), 1, "{v:?}");
     assert_eq!(
-        (v[0].state.as_str(), v[0].executed_by.as_str()),
-        ("replayed", "vm-r")
+        (
+            v[0].state.as_str(),
+            v[0].executed_by.as_str(),
+            v[0].executed_on.as_deref()
+        ),
+        ("replayed", "vm-r", Some("host-a"))
     );
     let v = a.lineage_effects("r").expect("lineage");
     assert_eq!(v[0].replayed_to, vec!["vm-c".to_string()]);
