@@ -84,6 +84,13 @@ pub struct RunSpec {
     /// The vm's fork contract (TOML text); with `from`, over the snapshot's.
     #[serde(default)]
     pub contract: Option<String>,
+    /// CPU template for a boot: a built-in name (`t2`, `t2s`) or the
+    /// absolute path of a custom template's JSON file. The guest's CPUID
+    /// is normalized to it, and its snapshots wake on any host that
+    /// satisfies it (docs/design/cpu-templates.md). A restore keeps its
+    /// snapshot's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<String>,
     /// Page RAM in lazily from this store snapshot (a lazy wake).
     #[serde(skip)]
     pub(crate) lazy_snapshot: Option<i64>,
@@ -110,6 +117,7 @@ impl RunSpec {
             timeout_s: default_timeout(),
             from: None,
             contract: None,
+            cpu_template: None,
             lazy_snapshot: None,
             dirty_base: None,
             shown_image: None,
@@ -242,6 +250,9 @@ fn plan(h: &Host, spec: &RunSpec) -> crate::Result<Plan> {
         // A restore has no kernel file to check.
         Err(vmm::config::ConfigError::KernelMissing(_)) if manifest.is_some() => {}
         Err(e) => return Err(Error::invalid(e.to_string())),
+    }
+    if let Some(t) = &spec.cpu_template {
+        check_cpu_template(t, manifest.is_some())?;
     }
     let contract = {
         let own = match manifest.as_ref().and_then(|m| m.contract.as_deref()) {
@@ -603,6 +614,30 @@ fn restore_command(
     Ok((cmd, n))
 }
 
+/// A run's CPU template, checked before anything exists: a built-in
+/// name or an absolute path to a valid template file, and only for a
+/// boot. (Whether this host satisfies it, the VMM checks as it boots.)
+fn check_cpu_template(t: &str, restore: bool) -> crate::Result<()> {
+    use vmm::cpu_template;
+    if restore {
+        return Err(Error::invalid(
+            "cpu_template is for a boot: a restored vm keeps the CPU template of its snapshot",
+        ));
+    }
+    if let Some(found) = cpu_template::builtin(t) {
+        return found.map(drop).map_err(|e| Error::invalid(e.to_string()));
+    }
+    if !Path::new(t).is_absolute() {
+        return Err(Error::invalid(format!(
+            "cpu_template {t:?} is neither a built-in template ({}) nor an absolute path to a template file",
+            cpu_template::builtin_names().join(", ")
+        )));
+    }
+    cpu_template::Template::from_file(Path::new(t))
+        .map(drop)
+        .map_err(|e| Error::invalid(e.to_string()))
+}
+
 /// The `tine-vmm` command line of a boot, with the vm's own disk layers
 /// created.
 fn boot_command(
@@ -621,6 +656,9 @@ fn boot_command(
     }
     cmd.arg("--mem").arg(format!("{}M", spec.mem_mib));
     cmd.arg("--vcpus").arg(spec.vcpus.to_string());
+    if let Some(t) = &spec.cpu_template {
+        cmd.arg("--cpu-template").arg(t);
+    }
     // Each disk gets the vm's own empty qcow2 top layer; the base (the
     // image's root filesystem first) is never written.
     for (i, base) in plan.bases.iter().enumerate() {
