@@ -461,10 +461,16 @@ impl Row {
             .ok_or_else(|| Error::Journal(format!("a query returned no column {i}")))
     }
     fn mismatch(&self, i: usize, want: &str) -> Error {
-        Error::Journal(format!(
-            "column {i}: expected {want}, got {:?}",
-            self.0.get(i)
-        ))
+        // The kind only: a value may be a whole response body.
+        let got = match self.0.get(i) {
+            Some(V::Null) => "NULL",
+            Some(V::Int(_)) => "an integer",
+            Some(V::Text(_)) => "text",
+            Some(V::Blob(_)) => "bytes",
+            Some(V::Bool(_)) => "a boolean",
+            None => "nothing",
+        };
+        Error::Journal(format!("column {i}: expected {want}, got {got}"))
     }
     fn opt_i64(&self, i: usize) -> Result<Option<i64>, Error> {
         match self.at(i)? {
