@@ -1,14 +1,19 @@
 //! Turning `--image NAME` into what a VMM boots: kernel, initramfs,
 //! command line and root disk. Names are the built images (`minimal`,
 //! `debian`), an image directory, or the micro guests built into tine
-//! (`micro-counter`, `micro-memtouch`, `micro-blkio`).
+//! (`micro-counter`, `micro-memtouch`, `micro-blkio`, `micro-cpuid`).
 
 use std::path::{Path, PathBuf};
 
 use crate::{Image, ImageError};
 
 /// Micro guests that `--image` knows by name.
-pub const MICRO_IMAGES: &[&str] = &["micro-counter", "micro-memtouch", "micro-blkio"];
+pub const MICRO_IMAGES: &[&str] = &[
+    "micro-counter",
+    "micro-memtouch",
+    "micro-blkio",
+    "micro-cpuid",
+];
 
 /// What `--image` resolves to.
 #[derive(Debug, Clone)]
