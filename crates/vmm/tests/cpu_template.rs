@@ -124,6 +124,19 @@ fn names(bits: &[CpuidBit]) -> Vec<String> {
 /// pauses and saves it: the vCPU's CPUID as KVM holds it (the probe) and
 /// the manifest's compatibility set.
 fn probe(template: Option<Template>) -> (Vec<CpuidEntry>, snapshot::compat::Compat, HostCompat) {
+    let (cpuid, compat, host, _) = probe_machine(template);
+    (cpuid, compat, host)
+}
+
+/// [`probe`], with the saved machine state.
+fn probe_machine(
+    template: Option<Template>,
+) -> (
+    Vec<CpuidEntry>,
+    snapshot::compat::Compat,
+    HostCompat,
+    vmm::MachineState,
+) {
     let dir = scratch(
         "cputpl",
         if template.is_some() {
@@ -172,7 +185,7 @@ fn probe(template: Option<Template>) -> (Vec<CpuidEntry>, snapshot::compat::Comp
             edx: e.edx,
         })
         .collect();
-    (cpuid, compat, host)
+    (cpuid, compat, host, machine)
 }
 
 #[test]
@@ -396,4 +409,53 @@ fn test_guest_sees_the_template_across_snapshot_and_restore() {
     }
     q.wait(Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A custom template's MSR modifier reaches the vCPU: IA32_MISC_ENABLE
+/// with "BTS unavailable" and "PEBS unavailable" (bits 11, 12) set over
+/// KVM's value, fast strings (bit 0, set at boot) kept, read back from the
+/// saved vCPU state.
+#[test]
+fn test_msr_modifier_is_applied() {
+    const MISC_ENABLE: u32 = 0x1a0;
+    let host = host_compat(Path::new(KVM)).expect("host compat");
+    if !host.msrs.contains(&MISC_ENABLE) {
+        println!("this host's KVM does not list IA32_MISC_ENABLE; nothing to show");
+        return;
+    }
+    let bitmap: String = (0..64)
+        .rev()
+        .map(|b| if b == 11 || b == 12 { '1' } else { 'x' })
+        .collect();
+    let mut json: serde_json::Value = serde_json::from_str(&t2().to_json()).expect("json");
+    json["name"] = "t2-misc".into();
+    json["msr_modifiers"] = serde_json::json!([{"addr": "0x1a0", "bitmap": format!("0b{bitmap}")}]);
+    let t = Template::parse(&json.to_string(), "test").expect("valid");
+    host.satisfies(&t).expect("the MSR is listed");
+    let (_, compat, _, machine) = probe_machine(Some(t.clone()));
+    let misc = machine.vcpus[0]
+        .msrs
+        .iter()
+        .find(|m| m.index == MISC_ENABLE)
+        .expect("IA32_MISC_ENABLE saved")
+        .data;
+    assert_eq!(
+        misc & ((1 << 11) | (1 << 12) | 1),
+        (1 << 11) | (1 << 12) | 1,
+        "{misc:#x}"
+    );
+    assert_eq!(
+        compat.cpu_template.map(|r| r.hash),
+        Some(t.hash()),
+        "recorded"
+    );
+    // Without the modifier, KVM leaves bits 11 and 12 clear.
+    let (_, _, _, plain) = probe_machine(Some(t2()));
+    let misc = plain.vcpus[0]
+        .msrs
+        .iter()
+        .find(|m| m.index == MISC_ENABLE)
+        .expect("saved")
+        .data;
+    assert_eq!(misc & ((1 << 11) | (1 << 12)), 0, "{misc:#x}");
 }
