@@ -277,8 +277,8 @@ fn test_custom_template_from_file() {
         );
     }
     let text = serde_json::to_string_pretty(&json).expect("json").replace(
-        "0b00000000100111000000000110101001",
-        "0b00000000100111000000000110001001",
+        "0b00000000100110000000000110101001",
+        "0b00000000100110000000000110001001",
     );
     std::fs::write(&path, text).expect("write");
     let t = template::resolve(path.to_str().expect("utf-8")).expect("custom template");
