@@ -93,7 +93,7 @@ pub enum BuildError {
     },
     #[error(transparent)]
     VmGenId(#[from] VmGenIdError),
-    #[error("This host does not satisfy CPU template {template}:{gaps}\nRun without --cpu-template, or under a template this host satisfies (tine cpu-templates)")]
+    #[error("This host does not satisfy CPU template {template}: {gaps}. Run without --cpu-template, or under a template this host satisfies (tine cpu-templates)")]
     CpuTemplate { template: String, gaps: String },
     #[error("Cannot read this host's CPU offer for the CPU template")]
     HostCompat(#[from] crate::compat::CompatCollectError),
@@ -164,7 +164,11 @@ fn guest_cpuid(vm: &Vm, config: &VmConfig) -> Result<CpuId, BuildError> {
     if let Err(gaps) = host.satisfies(template) {
         return Err(BuildError::CpuTemplate {
             template: template.name.clone(),
-            gaps: gaps.iter().map(|g| format!("\n  - {g}")).collect(),
+            gaps: gaps
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
         });
     }
     let mut entries: Vec<CpuidEntry> = supported
@@ -188,13 +192,13 @@ fn guest_cpuid(vm: &Vm, config: &VmConfig) -> Result<CpuId, BuildError> {
         .collect();
     CpuId::from_entries(&kvm).map_err(|_| BuildError::CpuTemplate {
         template: template.name.clone(),
-        gaps: format!(" it makes {} CPUID entries, more than KVM takes", kvm.len()),
+        gaps: format!("it makes {} CPUID entries, more than KVM takes", kvm.len()),
     })
 }
 
 /// Logs the template bits KVM did not give the vCPU. KVM may change what
 /// it is given: kvm_pvm passes the hardware's leaves 7 and 0xD through
-/// (the guest runs with the host's XCR0), so there a template cannot hide
+/// (the guest runs with the host's XCR0), and VME, so there a template cannot hide
 /// AVX-512 and the like. The snapshot's manifest records the CPUID the
 /// vCPU really has, and restore checks those bits too, so this costs
 /// portability, never correctness.
