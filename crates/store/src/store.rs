@@ -1022,7 +1022,21 @@ impl Store {
             report.snapshots_pruned = meta.prune_snapshots()?;
         }
         let objects = self.inner.chunks.backend().list()?;
-        let lease = self.lease();
+        // Each pass its own owner (`BOOT:PID:START:gcN`; liveness is still
+        // the process's): gc_mark returns every row `deleting` under its
+        // owner, so two passes of one process (stores of several hosts in
+        // one test, concurrent gc calls) sharing one would each delete the
+        // other's chunks, and a pass could delete a chunk the other had
+        // already forgotten and a writer had put again since.
+        static PASS: AtomicU64 = AtomicU64::new(0);
+        let lease = Lease {
+            owner: format!(
+                "{}:gc{}",
+                lease::owner(),
+                PASS.fetch_add(1, Ordering::Relaxed)
+            ),
+            expires_ms: self.lease_expiry(),
+        };
         let doomed = meta.gc_mark(&lease, &objects, &lease::gone)?;
         progress.start("gc", doomed.len() as u64);
         let deleted = AtomicU64::new(0);
