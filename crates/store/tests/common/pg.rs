@@ -22,11 +22,15 @@ pub struct Cluster {
     _watchdog: Child,
 }
 
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// `cmd` as the postgres user when we are root (initdb refuses root).
 fn as_pg(bin: &str) -> Command {
     let path = Path::new(PG_BIN).join(bin);
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
+    if is_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(path);
         c
@@ -74,8 +78,7 @@ impl Cluster {
         let data = dir.join("data");
         let sock = dir.join("sock");
         std::fs::create_dir(&sock).unwrap_or_else(|e| panic!("{}: {e}", sock.display()));
-        // SAFETY: as above.
-        if unsafe { libc::geteuid() } == 0 {
+        if is_root() {
             let mut c = Command::new("chown");
             c.args(["-R", "postgres:postgres"]).arg(&dir);
             run(c, "chown");
@@ -85,7 +88,7 @@ impl Cluster {
         // process, the cluster and its directory go away.
         let script = format!(
             "read _ignored; {pg_ctl} -D '{data}' stop -m immediate >/dev/null 2>&1; rm -rf '{dir}'",
-            pg_ctl = if unsafe { libc::geteuid() } == 0 {
+            pg_ctl = if is_root() {
                 format!("runuser -u postgres -- {PG_BIN}/pg_ctl")
             } else {
                 format!("{PG_BIN}/pg_ctl")
