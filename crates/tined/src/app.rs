@@ -1162,6 +1162,19 @@ pub async fn forget_host(
     .map(Json)
 }
 
+#[utoipa::path(get, path = "/v1/branches/{name}/placement", tag = "fleet", params(("name" = String, Path)),
+    responses((status = 200, body = crate::fleet::PlacementView, description = "Where a wake would go now (nothing is woken)"),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody, description = "No host can take it: each host's reasons")))]
+pub async fn branch_placement(
+    State(s): State<Shared>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<crate::fleet::PlacementView>> {
+    let st = s.clone();
+    Ok(Json(
+        blocking(move || crate::fleet::placement_of(&st, &name)).await?,
+    ))
+}
+
 #[utoipa::path(get, path = "/v1/hosts/self/offer", tag = "fleet",
     responses((status = 200, description = "What this host offers a snapshot (the JSON TINE_HOST_OFFER reads)")))]
 pub async fn host_offer(State(s): State<Shared>) -> ApiResult<Json<serde_json::Value>> {

@@ -339,6 +339,44 @@ pub fn move_vm(
     })
 }
 
+/// Where a wake of `branch` would go now, and how long deciding took
+/// (reading every host's row and scoring them).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct PlacementView {
+    pub branch: String,
+    pub host: String,
+    pub address: String,
+    pub score: f64,
+    /// Hosts considered.
+    pub hosts: usize,
+    pub decision_ms: f64,
+}
+
+pub fn placement_of(st: &Shared, branch: &str) -> host::Result<PlacementView> {
+    let m = st
+        .fleet
+        .get()
+        .ok_or_else(|| host::Error::invalid("this tined is in no fleet"))?;
+    let needs = host::tree::branch_needs(&st.host, branch)?;
+    let t0 = std::time::Instant::now();
+    let hosts = m.fleet.hosts().map_err(fleet_err)?;
+    let need = fleet::Need {
+        mem_mib: needs.mem_mib,
+        vcpus: needs.vcpus as u64,
+        compat: Some(needs.compat),
+    };
+    let p = fleet::place(&hosts, &need, Some(&m.id))
+        .map_err(|r| host::Error::conflict(format!("cannot wake {branch:?}: {r}")))?;
+    Ok(PlacementView {
+        branch: branch.into(),
+        host: p.host,
+        address: p.address,
+        score: p.score,
+        hosts: hosts.len(),
+        decision_ms: t0.elapsed().as_secs_f64() * 1000.0,
+    })
+}
+
 fn fleet_err(e: fleet::FleetError) -> host::Error {
     host::Error::internal(e.to_string())
 }

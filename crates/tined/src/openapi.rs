@@ -46,6 +46,7 @@ use utoipa::OpenApi;
         crate::app::gc,
         crate::app::verify,
         crate::app::list_hosts,
+        crate::app::branch_placement,
         crate::app::move_vm,
         crate::app::forget_host,
         crate::app::host_offer,

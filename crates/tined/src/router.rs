@@ -95,6 +95,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/gc", post(gc))
         .route("/v1/store/verify", post(verify))
         .route("/v1/hosts", get(list_hosts))
+        .route("/v1/branches/{name}/placement", get(branch_placement))
         .route("/v1/vms/{name}/move", post(move_vm))
         .route("/v1/hosts/self/offer", get(host_offer))
         .route("/v1/hosts/{id}", delete(forget_host))
