@@ -20,10 +20,11 @@
 //!   anew and leaks (`mem::forget`) the inherited client: dropping it
 //!   would send the parent's session a Terminate.
 //! - **A broken connection** (server restarted, session killed) is
-//!   reconnected once and the call retried. A write whose COMMIT was sent
-//!   but not answered may then run twice; every write is idempotent or
-//!   fails safely on the second run (a second `begin_snapshot` leaves one
-//!   more pending row for gc to reap; a second commit says NotPending).
+//!   reconnected once and the call retried, unless it broke on a COMMIT:
+//!   that transaction may have committed (a snapshot's commit, say), so
+//!   the error is returned (the outcome is unknown, as with any lost
+//!   reply) and the next call connects anew. Retried writes had not
+//!   committed; reads are always retried.
 //! - **No TLS** (`NoTls`): `sslmode=require` and other TLS settings are
 //!   refused; reach a remote server through a private network or a tunnel.
 
@@ -415,7 +416,8 @@ impl PgMeta {
     }
 
     /// Runs `f` on this process's connection (connecting if needed); on a
-    /// broken connection, connects again and runs it once more.
+    /// connection that broke before a COMMIT, connects again and runs it
+    /// once more (see the module doc).
     fn with<T>(
         &self,
         f: impl Fn(&mut Client, &mut HashMap<String, Statement>) -> Result<T, MetaError>,
@@ -438,9 +440,13 @@ impl PgMeta {
                 None => g.insert(self.connect()?),
             };
             match f(&mut conn.client, &mut conn.stmts) {
-                Err(e) if attempt == 0 && broken(&e) => {
-                    tracing::warn!("{}: connection lost ({e}); reconnecting", self.shown);
+                Err(e) if broken(&e) => {
                     *g = None;
+                    let at_commit = matches!(e, MetaError::Postgres { what: "commit", .. });
+                    if attempt > 0 || at_commit {
+                        return Err(e);
+                    }
+                    tracing::warn!("{}: connection lost ({e}); reconnecting", self.shown);
                 }
                 r => return r,
             }
@@ -1184,6 +1190,20 @@ impl Meta for PgMeta {
                 &[&TABLES],
             )?;
             Ok(u(col(db.shown, &r, 0)?))
+        })
+    }
+
+    fn identity(&self) -> Result<String, MetaError> {
+        // The cluster's system identifier (made by initdb) and the
+        // database: what every host connected to it shares.
+        self.read(|db| {
+            let r = db.query_one(
+                "identity",
+                "SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()",
+                &[],
+            )?;
+            let id: String = col(db.shown, &r, 0)?;
+            Ok(format!("postgres:{id}"))
         })
     }
 
