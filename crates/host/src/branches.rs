@@ -169,11 +169,19 @@ pub(crate) fn forget_vm(h: &Host, vm: &VmDir) -> crate::Result<()> {
 
 /// Branches whose vm is gone are marked gone (they keep nothing alive).
 pub(crate) fn reap_branches(h: &Host, store: &Store) -> crate::Result<()> {
+    let shared = std::env::var(store::META_ENV)
+        .is_ok_and(|v| v.starts_with("postgres://") || v.starts_with("postgresql://"));
     for b in store.branches()? {
         if b.state != BranchState::Running {
             continue;
         }
         let vm = VmDir::new(&h.home, &b.name);
+        // With metadata other hosts share, a branch running with no vm
+        // here runs on another host: its own host reaps it (a lost host's
+        // stays, and keeps its snapshot: `tine hosts` names it).
+        if shared && !vm.exists() {
+            continue;
+        }
         let alive = vm
             .read_record()
             .is_ok_and(|r| vm.state(&r) == VmState::Running)

@@ -28,6 +28,13 @@ pub fn shared(h: &Host) -> crate::Result<crate::lock::SharedLock> {
     crate::lock::acquire_shared(&h.home, LOCK, crate::lock::DEFAULT_WAIT)
 }
 
+/// The same lock, exclusive, if no one holds it now (gc's sweep of wake
+/// copies: a wake holds it shared from materializing its copy until its
+/// vm uses it).
+pub fn try_exclusive(h: &Host) -> crate::Result<Option<crate::lock::Lock>> {
+    crate::lock::try_acquire(&h.home, LOCK)
+}
+
 /// The snapshot directories this home wrote (their disks may be frozen
 /// layers of ours): one file per directory under `snapdirs/`.
 fn snapdirs(home: &Path) -> PathBuf {

@@ -358,6 +358,9 @@ pub fn wake(
     // Whether the branch was marked running (past that, the vm stays).
     let mut marked = false;
     let res = (|| -> crate::Result<RunReport> {
+        // gc removes wake copies no vm uses: not this one, between its
+        // materializing and the vm running from it.
+        let _copies = crate::layers::shared(h)?;
         let dir = materialize(&store, b.snapshot, spec.lazy, bar)?;
         crate::fault::point("wake:materialized");
         let shown = store
@@ -788,6 +791,10 @@ pub fn gc(h: &Host, bar: &dyn Progress) -> crate::Result<GcReport> {
 /// from them and runs). Returns how many and their bytes.
 fn remove_unused_wake_copies(h: &Host, store: &Store) -> (usize, u64) {
     let wake = store.dir().join("wake");
+    // Not while a wake is between its copy and its vm (it holds it shared).
+    let Ok(Some(_lock)) = crate::layers::try_exclusive(h) else {
+        return (0, 0);
+    };
     let Ok(rd) = std::fs::read_dir(&wake) else {
         return (0, 0);
     };

@@ -41,6 +41,7 @@
 pub mod backend;
 pub mod chunk;
 pub mod chunks;
+pub mod claim;
 pub mod fault;
 pub mod layer;
 pub mod lease;

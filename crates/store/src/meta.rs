@@ -323,6 +323,12 @@ pub enum MetaError {
     InUse(SnapshotId),
     #[error("corrupt tree metadata: {0}")]
     Corrupt(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// What the store needs from its metadata database. Implementations are
@@ -405,6 +411,10 @@ pub trait Meta: Send + Sync + std::fmt::Debug {
     fn totals(&self) -> Result<Totals, MetaError>;
     /// Bytes the metadata itself takes (the database file).
     fn metadata_bytes(&self) -> Result<u64, MetaError>;
+    /// This database's identity: the same for every host that shares it,
+    /// different for another database (a remote bucket is claimed by
+    /// one, see [`crate::claim`]).
+    fn identity(&self) -> Result<String, MetaError>;
 
     // --- branches ---
 
@@ -1274,6 +1284,42 @@ impl Meta for SqliteMeta {
             .query_row("PRAGMA page_size", [], |r| r.get(0))
             .map_err(sq(p, "page_size"))?;
         Ok((pages * size) as u64)
+    }
+
+    fn identity(&self) -> Result<String, MetaError> {
+        // A random id made once, in a file beside the database (no
+        // migration: older databases get one on first use).
+        let file = self.path.with_extension("id");
+        let io = |source: std::io::Error| MetaError::Io {
+            path: file.clone(),
+            source,
+        };
+        match std::fs::read_to_string(&file) {
+            Ok(s) if !s.trim().is_empty() => return Ok(format!("sqlite:{}", s.trim())),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+        let seed = format!(
+            "{}:{}:{}",
+            crate::lease::owner(),
+            crate::lease::now_ms(),
+            self.path.display()
+        );
+        let id = blake3::hash(seed.as_bytes()).to_hex()[..32].to_string();
+        let tmp = file.with_extension(format!("id.tmp.{}", std::process::id()));
+        std::fs::write(&tmp, &id).map_err(io)?;
+        // The first one made wins (a hard link does not replace).
+        let res = std::fs::hard_link(&tmp, &file);
+        let _ = std::fs::remove_file(&tmp);
+        match res {
+            Ok(()) => Ok(format!("sqlite:{id}")),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let s = std::fs::read_to_string(&file).map_err(io)?;
+                Ok(format!("sqlite:{}", s.trim()))
+            }
+            Err(e) => Err(io(e)),
+        }
     }
 
     fn create_branch(

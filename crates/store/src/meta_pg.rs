@@ -1193,6 +1193,20 @@ impl Meta for PgMeta {
         })
     }
 
+    fn identity(&self) -> Result<String, MetaError> {
+        // The cluster's system identifier (made by initdb) and the
+        // database: what every host connected to it shares.
+        self.read(|db| {
+            let r = db.query_one(
+                "identity",
+                "SELECT system_identifier::text || '/' || current_database() FROM pg_control_system()",
+                &[],
+            )?;
+            let id: String = col(db.shown, &r, 0)?;
+            Ok(format!("postgres:{id}"))
+        })
+    }
+
     fn create_branch(
         &self,
         name: &str,

@@ -185,6 +185,12 @@ pub enum StoreError {
     },
     #[error("compressing a chunk: {0}")]
     Compress(#[source] std::io::Error),
+    #[error("{bucket} belongs to another tree's metadata ({owner}), not this one's ({ours}): writing or collecting garbage here would delete the other tree's chunks or lose ours. Hosts that share a bucket must share metadata (TINE_META=postgres://... on each); otherwise give this one its own prefix (TINE_STORE=s3://bucket/another-prefix)")]
+    ForeignBucket {
+        bucket: String,
+        owner: String,
+        ours: String,
+    },
     #[error("gave up waiting for a gc to finish deleting chunk {0}")]
     GcBusy(ChunkId),
     #[error("{0}")]
@@ -208,6 +214,8 @@ pub(crate) struct Inner {
     /// (default: with a remote backend, where a wake fetches chunks one
     /// GET each; a local store reads them from disk anyway).
     pub(crate) packs: AtomicBool,
+    /// Whether the backend is remote (shared: it carries a claim).
+    pub(crate) remote: bool,
 }
 
 /// A snapshot tree store. Cheap to clone and share between threads; do
@@ -523,6 +531,7 @@ impl Store {
                 threads,
                 lease_ttl: cfg.lease_ttl,
                 packs: AtomicBool::new(remote),
+                remote,
             }),
         })
     }
@@ -530,6 +539,19 @@ impl Store {
     /// The store of `tine_home` as `TINE_STORE` selects.
     pub fn open_home(tine_home: &Path) -> Result<Store, StoreError> {
         Store::open(StoreConfig::from_env(tine_home)?)
+    }
+
+    /// Checks (and on first use makes) the remote backend's claim for
+    /// this metadata (see [`crate::claim`]); a local backend is this
+    /// store's own.
+    pub fn claim(&self) -> Result<(), StoreError> {
+        if !self.inner.remote {
+            return Ok(());
+        }
+        crate::claim::ensure(
+            self.inner.chunks.backend().as_ref(),
+            self.inner.meta.as_ref(),
+        )
     }
 
     /// The store's directory.
@@ -699,7 +721,14 @@ impl Store {
     pub fn verify(&self, progress: &dyn Progress) -> Result<VerifyReport, StoreError> {
         let meta = &self.inner.meta;
         let rows: Vec<_> = meta.chunks()?.into_iter().filter(|r| !r.deleting).collect();
-        let objects: HashSet<ChunkId> = self.inner.chunks.backend().list()?.into_iter().collect();
+        let objects: HashSet<ChunkId> = self
+            .inner
+            .chunks
+            .backend()
+            .list()?
+            .into_iter()
+            .filter(|o| *o != crate::claim::CLAIM_ID)
+            .collect();
         let mut known: HashSet<ChunkId> = rows.iter().map(|r| r.id).collect();
         // Working-set packs: named by snapshot rows, not chunk rows.
         let mut packs: BTreeMap<ChunkId, (u64, Vec<SnapshotId>)> = BTreeMap::new();
@@ -1013,6 +1042,8 @@ impl Store {
     /// interrupted puts. Never deletes a chunk a committed snapshot or a
     /// live writer references (see the protocol in [`crate::meta`]).
     pub fn gc(&self, opts: &GcOptions, progress: &dyn Progress) -> Result<GcReport, StoreError> {
+        // Before anything is deleted: the bucket is this tree's.
+        self.claim()?;
         let meta = &self.inner.meta;
         let mut report = GcReport {
             pending_reaped: meta.reap_pending(&lease::gone)?,
@@ -1021,7 +1052,8 @@ impl Store {
         if opts.prune_snapshots {
             report.snapshots_pruned = meta.prune_snapshots()?;
         }
-        let objects = self.inner.chunks.backend().list()?;
+        let mut objects = self.inner.chunks.backend().list()?;
+        objects.retain(|o| *o != crate::claim::CLAIM_ID);
         // Each pass its own owner (`BOOT:PID:START:gcN`; liveness is still
         // the process's): gc_mark returns every row `deleting` under its
         // owner, so two passes of one process (stores of several hosts in

@@ -49,6 +49,7 @@ impl Store {
     ) -> Result<SnapshotWriter, StoreError> {
         serde_json::from_str::<serde_json::Value>(manifest)
             .map_err(|e| StoreError::Invalid(format!("the manifest is not JSON: {e}")))?;
+        self.claim()?;
         let id = self
             .inner
             .meta

@@ -323,3 +323,121 @@ fn test_host_loss_is_seen_and_its_vms_named() {
     h1.delete("/v1/hosts/h2").expect(200);
     assert_eq!(state_of(&hosts(&h1), "h2"), "");
 }
+
+#[test]
+fn test_a_home_with_its_own_metadata_cannot_collect_a_shared_bucket() {
+    if !kvm_available() {
+        return;
+    }
+    let s = Servers::start("claim", 1);
+    let h1 = host(&s, "h1", &[]);
+    h1.run("c", "micro-memtouch");
+    h1.wait_line("c", 0, |l| l.starts_with("READY"));
+    h1.ask("c", "touch 8 2", "TOUCHED");
+    h1.operation_ok("/v1/vms/c/sleep", json!({}));
+    // Host x: the same bucket, but its own SQLite tree (no TINE_META).
+    let env: Vec<(String, String)> = s
+        .env
+        .iter()
+        .filter(|(k, _)| k != "TINE_META")
+        .cloned()
+        .chain([("TINE_HOST_ID".to_string(), "x".to_string())])
+        .collect();
+    let x = Tined::start_env("x", &env, &[]);
+    let op = x.operation("/v1/gc", json!({}));
+    assert_eq!(op["state"], "failed", "{op}");
+    let why = op["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("belongs to another tree") && why.contains("TINE_META"),
+        "{why}"
+    );
+    // h1's tree is whole, and it wakes.
+    let v = h1.operation_ok("/v1/store/verify", json!({}));
+    assert_eq!(v["missing"], json!([]), "{v}");
+    h1.operation_ok("/v1/branches/c/wake", json!({}));
+}
+
+/// gc on every host while the others sleep, wake elsewhere and remove,
+/// for a bounded time: afterwards no chunk is missing anywhere.
+#[test]
+fn test_gc_on_every_host_while_branches_move() {
+    if !kvm_available() {
+        return;
+    }
+    let s = Servers::start("gc", 1);
+    let hs = [
+        host(&s, "h1", &[]),
+        host(&s, "h2", &[]),
+        host(&s, "h3", &[]),
+    ];
+    let secs: u64 = std::env::var("TINE_FLEET_GC_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let stop = Instant::now() + Duration::from_secs(secs);
+    let rounds = std::sync::atomic::AtomicU64::new(0);
+    let gcs = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        for (i, t) in hs.iter().enumerate() {
+            let (rounds, gcs) = (&rounds, &gcs);
+            // A worker: a vm written here, slept, woken on the next host
+            // (checked), slept there, its branch removed now and then.
+            let next = hs[(i + 1) % 3].get("/v1/hosts").expect(200)["this"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let other = &hs[(i + 1) % 3];
+            sc.spawn(move || {
+                let mut n = 0;
+                while Instant::now() < stop {
+                    let name = format!("g{i}-{n}");
+                    t.run(&name, "micro-memtouch");
+                    t.wait_line(&name, 0, |l| l.starts_with("READY"));
+                    let want =
+                        last_word(&t.ask(&name, &format!("touch 4 {}", n + 10 * i), "TOUCHED"));
+                    t.operation_ok(&format!("/v1/vms/{name}/sleep"), json!({}));
+                    t.operation_ok(&format!("/v1/branches/{name}/wake"), json!({"host": next}));
+                    assert_eq!(sum(other, &name, 4), want, "{name} woke on {next} whole");
+                    other.operation_ok(&format!("/v1/vms/{name}/sleep"), json!({}));
+                    if n % 2 == 0 {
+                        other.delete(&format!("/v1/branches/{name}")).expect(200);
+                    }
+                    n += 1;
+                    rounds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            sc.spawn(move || {
+                while Instant::now() < stop {
+                    t.operation_ok("/v1/gc", json!({}));
+                    gcs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    common::progress(&format!(
+        "fleet gc: {} rounds, {} gc passes in {secs} s",
+        rounds.load(std::sync::atomic::Ordering::Relaxed),
+        gcs.load(std::sync::atomic::Ordering::Relaxed)
+    ));
+    // Every sleeping branch wakes whole, and verify is clean everywhere.
+    for t in &hs {
+        let v = t.operation_ok("/v1/store/verify", json!({}));
+        for k in ["missing", "corrupt", "not_durable", "bad_packs"] {
+            assert_eq!(v[k], json!([]), "{v}");
+        }
+    }
+    let branches = hs[0].get("/v1/branches").expect(200);
+    let sleeping: Vec<String> = branches
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|b| b["state"] == "sleeping")
+                .filter_map(|b| b["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(!sleeping.is_empty(), "{branches}");
+    for b in &sleeping {
+        hs[2].operation_ok(&format!("/v1/branches/{b}/wake"), json!({"host": "h3"}));
+    }
+}
