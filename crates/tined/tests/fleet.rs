@@ -441,3 +441,38 @@ fn test_gc_on_every_host_while_branches_move() {
         hs[2].operation_ok(&format!("/v1/branches/{b}/wake"), json!({"host": "h3"}));
     }
 }
+
+/// Garage with three nodes (replication 3): one node killed, the fleet's
+/// reads and writes go on.
+#[test]
+fn test_one_storage_node_lost_reads_and_writes_go_on() {
+    if !kvm_available() {
+        return;
+    }
+    let s = Servers::start("garage3", 3);
+    let h1 = host(&s, "h1", &[]);
+    let h2 = host(&s, "h2", &[]);
+    h1.run("n", "micro-memtouch");
+    h1.wait_line("n", 0, |l| l.starts_with("READY"));
+    let want = last_word(&h1.ask("n", "touch 8 4", "TOUCHED"));
+    h1.operation_ok("/v1/vms/n/sleep", json!({}));
+    // kill -9 one storage node (not the one the hosts talk to).
+    let pid: i32 = std::fs::read_to_string(s.dir.join("garage/n3/pid"))
+        .expect("node 3's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    // SAFETY: kill(2) with plain integers: the garage node this test started.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    // h2's cache is empty: the wake reads every chunk from the cluster.
+    h1.operation_ok("/v1/branches/n/wake", json!({"host": "h2"}));
+    assert_eq!(sum(&h2, "n", 8), want, "read back with a node down");
+    let more = last_word(&h2.ask("n", "touch 2 8", "TOUCHED"));
+    h2.operation_ok("/v1/vms/n/sleep", json!({}));
+    h2.operation_ok("/v1/branches/n/wake", json!({"host": "h1"}));
+    assert_eq!(sum(&h1, "n", 2), more, "written with a node down");
+    let v = h2.operation_ok("/v1/store/verify", json!({}));
+    assert_eq!(v["missing"], json!([]), "{v}");
+}
