@@ -175,15 +175,26 @@ pub async fn list_vms(State(s): State<Shared>) -> ApiResult<Json<Vec<host::vm::V
 
 #[utoipa::path(get, path = "/v1/vms/{name}", tag = "vms",
     params(("name" = String, Path, description = "The vm")),
-    responses((status = 200, body = host::vm::VmInfo), (status = 404, body = ErrorBody)))]
-pub async fn get_vm(
-    State(s): State<Shared>,
-    Path(name): Path<String>,
-) -> ApiResult<Json<host::vm::VmInfo>> {
+    responses((status = 200, body = VmView), (status = 404, body = ErrorBody)))]
+pub async fn get_vm(State(s): State<Shared>, Path(name): Path<String>) -> ApiResult<Json<VmView>> {
     let st = s.clone();
     Ok(Json(
-        blocking(move || host::vm::info(&st.host, &name)).await?,
+        blocking(move || {
+            let info = host::vm::info(&st.host, &name)?;
+            let keep = crate::keep::read(&host::state::VmDir::new(&st.host.home, &name));
+            Ok(VmView { info, keep })
+        })
+        .await?,
     ))
+}
+
+/// A vm, with its keep policy and last keep if it has one.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct VmView {
+    #[serde(flatten)]
+    pub info: host::vm::VmInfo,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep: Option<crate::keep::Keep>,
 }
 
 #[utoipa::path(post, path = "/v1/vms", tag = "vms", request_body = host::vm::RunSpec,

@@ -95,7 +95,8 @@ fn census(h: &host::Host) -> (Vec<fleet::VmRow>, fleet::Capacity) {
             state: state.to_string(),
             mem_mib: r.mem_mib,
             vcpus: u64::from(r.vcpus),
-            snapshot: host::branches::vm_snapshot(&vm),
+            // Its last keep, if it has one, is newer than its wake.
+            snapshot: crate::keep::last_snapshot(&vm).or_else(|| host::branches::vm_snapshot(&vm)),
             updated_ms: 0,
         });
     }

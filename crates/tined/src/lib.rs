@@ -12,6 +12,7 @@ pub mod events;
 pub mod fleet;
 pub mod idem;
 pub mod images;
+pub mod keep;
 pub mod keys;
 pub mod logfile;
 pub mod metrics;

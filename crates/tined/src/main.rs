@@ -285,6 +285,8 @@ fn daemon(
         let app = tined::router::app(state.clone());
         // E2B sandboxes whose time is up sleep or go.
         tokio::spawn(tined::e2b::expire(state.clone()));
+        // Running vms with a keep policy are snapshotted periodically.
+        tokio::spawn(tined::keep::run(state.clone()));
         if let Some(m) = state.fleet.get() {
             tokio::spawn(tined::fleet::heartbeat(state.clone(), m.clone()));
         }

@@ -34,6 +34,12 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/vms/{name}/rollback", post(rollback_vm))
         .route("/v1/vms/{name}/snapshot", post(snapshot_vm))
         .route("/v1/vms/{name}/sleep", post(sleep_vm))
+        .route(
+            "/v1/vms/{name}/keep",
+            get(crate::keep::get_keep)
+                .put(crate::keep::put_keep)
+                .delete(crate::keep::delete_keep),
+        )
         .route("/v1/vms/{name}/disks", get(disk_layers))
         .route(
             "/v1/vms/{name}/contract",
