@@ -86,6 +86,14 @@ fn sum(t: &Tined, vm: &str, mib: u32) -> String {
     last_word(&t.ask(vm, &format!("sum {mib}"), "SUM"))
 }
 
+/// Starts micro-memtouch `name` on `t`, writes its first `mib` MiB from
+/// `seed`; the checksum.
+fn written(t: &Tined, name: &str, mib: u32, seed: u32) -> String {
+    t.run(name, "micro-memtouch");
+    t.wait_line(name, 0, |l| l.starts_with("READY"));
+    last_word(&t.ask(name, &format!("touch {mib} {seed}"), "TOUCHED"))
+}
+
 fn hosts(t: &Tined) -> Value {
     t.get("/v1/hosts").expect(200)
 }
@@ -134,9 +142,7 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     }
 
     // A memtouch vm writes 8 MiB on h1, then sleeps into the shared store.
-    h1.run("w", "micro-memtouch");
-    h1.wait_line("w", 0, |l| l.starts_with("READY"));
-    let s1 = last_word(&h1.ask("w", "touch 8 5", "TOUCHED"));
+    let s1 = written(&h1, "w", 8, 5);
     let slept = h1.operation_ok("/v1/vms/w/sleep", json!({}));
     assert_eq!(slept["branch"], "w", "{slept}");
 
@@ -242,9 +248,7 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     assert_eq!(vms(&view), 5, "w-copy and 4 children: {view}");
 
     // A running vm moves: it sleeps on h1 and wakes on h2 in one call.
-    h1.run("mv", "micro-memtouch");
-    h1.wait_line("mv", 0, |l| l.starts_with("READY"));
-    let m1 = last_word(&h1.ask("mv", "touch 8 3", "TOUCHED"));
+    let m1 = written(&h1, "mv", 8, 3);
     // Not to a host that is not there, and nothing stops for it.
     let op = h1.operation("/v1/vms/mv/move", json!({"to": "h9"}));
     assert_eq!(op["state"], "failed", "{op}");
@@ -331,9 +335,7 @@ fn test_a_home_with_its_own_metadata_cannot_collect_a_shared_bucket() {
     }
     let s = Servers::start("claim", 1);
     let h1 = host(&s, "h1", &[]);
-    h1.run("c", "micro-memtouch");
-    h1.wait_line("c", 0, |l| l.starts_with("READY"));
-    h1.ask("c", "touch 8 2", "TOUCHED");
+    written(&h1, "c", 8, 2);
     h1.operation_ok("/v1/vms/c/sleep", json!({}));
     // Host x: the same bucket, but its own SQLite tree (no TINE_META).
     let env: Vec<(String, String)> = s
@@ -391,10 +393,7 @@ fn test_gc_on_every_host_while_branches_move() {
                 let mut n = 0;
                 while Instant::now() < stop {
                     let name = format!("g{i}-{n}");
-                    t.run(&name, "micro-memtouch");
-                    t.wait_line(&name, 0, |l| l.starts_with("READY"));
-                    let want =
-                        last_word(&t.ask(&name, &format!("touch 4 {}", n + 10 * i), "TOUCHED"));
+                    let want = written(t, &name, 4, (n + 10 * i) as u32);
                     t.operation_ok(&format!("/v1/vms/{name}/sleep"), json!({}));
                     t.operation_ok(&format!("/v1/branches/{name}/wake"), json!({"host": next}));
                     assert_eq!(sum(other, &name, 4), want, "{name} woke on {next} whole");
@@ -452,9 +451,7 @@ fn test_one_storage_node_lost_reads_and_writes_go_on() {
     let s = Servers::start("garage3", 3);
     let h1 = host(&s, "h1", &[]);
     let h2 = host(&s, "h2", &[]);
-    h1.run("n", "micro-memtouch");
-    h1.wait_line("n", 0, |l| l.starts_with("READY"));
-    let want = last_word(&h1.ask("n", "touch 8 4", "TOUCHED"));
+    let want = written(&h1, "n", 8, 4);
     h1.operation_ok("/v1/vms/n/sleep", json!({}));
     // kill -9 one storage node (not the one the hosts talk to).
     let pid: i32 = std::fs::read_to_string(s.dir.join("garage/n3/pid"))
