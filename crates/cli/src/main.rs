@@ -130,6 +130,16 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Snapshot a running vm into the store periodically (`30s`, `2m`,
+    /// at least 5 s), or `off`: a host loss costs at most that much work.
+    /// Its last keep is the sleeping branch NAME.keep-N.
+    Keep {
+        name: String,
+        /// The period (`30s`, `2m`, `1h`, plain seconds) or `off`.
+        every: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Put a running vm to sleep: its moment goes into the snapshot store
     /// (chunked, deduplicated) and the vm ends; its branch sleeps.
     Sleep {

@@ -47,6 +47,7 @@ pub fn through_machine(
         | Command::Checkpoints { name, .. }
         | Command::Snapshot { name, .. }
         | Command::Sleep { name, .. }
+        | Command::Keep { name, .. }
             if remote_vm(name) =>
         {
             Some(forward(false))

@@ -59,6 +59,10 @@ pub struct RunArgs {
     /// restore keeps its snapshot's).
     #[arg(long, conflicts_with = "from")]
     cpu_template: Option<String>,
+    /// Snapshot it into the store this often while it runs (`30s`, `2m`,
+    /// at least 5 s; `tine keep NAME off` stops it).
+    #[arg(long, value_parser = parse_period)]
+    keep_every: Option<u64>,
     /// Run once per key: a repeat gets the first run's answer.
     #[arg(long)]
     idempotency_key: Option<String>,
@@ -89,6 +93,7 @@ impl RunArgs {
             .as_deref()
             .map(crate::cpu_templates::for_run)
             .transpose()?;
+        s.keep_every_s = self.keep_every;
         if s.image.contains('/') {
             s.image = absolute(Path::new(&self.image))?.display().to_string();
         }
@@ -451,6 +456,37 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
                 );
             }
             Ok(render::problems(&r.problems))
+        }
+        Command::Keep { name, every, json } => {
+            let k: serde_json::Value = if every == "off" {
+                c.call(
+                    Method::DELETE,
+                    &format!("/v1/vms/{name}/keep"),
+                    None::<&()>,
+                    &[],
+                )?
+            } else {
+                let every_s = parse_period(&every).map_err(|e| anyhow::anyhow!(e))?;
+                c.call(
+                    Method::PUT,
+                    &format!("/v1/vms/{name}/keep"),
+                    Some(&serde_json::json!({ "every_s": every_s })),
+                    &[],
+                )?
+            };
+            if json {
+                render::json(&k, true)?;
+            } else {
+                match k["every_s"].as_u64() {
+                    Some(s) => print!("{name}: kept every {s} s"),
+                    None => print!("{name}: no longer kept"),
+                }
+                match (k["last_branch"].as_str(), k["last_snapshot"].as_i64()) {
+                    (Some(b), Some(id)) => println!("; last keep: {b} (snapshot {id})"),
+                    _ => println!(),
+                }
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Sleep { name, json } => {
             let t0 = Instant::now();
@@ -1100,5 +1136,40 @@ fn daemon(cmd: DaemonCommand) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// A keep period: `30s`, `2m`, `1h` or plain seconds.
+fn parse_period(s: &str) -> Result<u64, String> {
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: say 30s, 2m, 1h or a number of seconds"))?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => return Err(format!("{s:?}: the unit is s, m or h")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?}: too long"))
+}
+
+#[cfg(test)]
+mod period_tests {
+    use super::parse_period;
+
+    #[test]
+    fn periods() {
+        assert_eq!(parse_period("30s"), Ok(30));
+        assert_eq!(parse_period("2m"), Ok(120));
+        assert_eq!(parse_period("1h"), Ok(3600));
+        assert_eq!(parse_period("45"), Ok(45));
+        assert!(parse_period("off").is_err());
+        assert!(parse_period("5d").is_err());
+        assert!(parse_period("").is_err());
     }
 }

@@ -91,6 +91,11 @@ pub struct RunSpec {
     /// snapshot's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_template: Option<String>,
+    /// Snapshot the running vm into the store this often (seconds, at
+    /// least 5): tined's keep policy (`PUT /v1/vms/{name}/keep`); the
+    /// engine itself ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_every_s: Option<u64>,
     /// Page RAM in lazily from this store snapshot (a lazy wake).
     #[serde(skip)]
     pub(crate) lazy_snapshot: Option<i64>,
@@ -118,6 +123,7 @@ impl RunSpec {
             from: None,
             contract: None,
             cpu_template: None,
+            keep_every_s: None,
             lazy_snapshot: None,
             dirty_base: None,
             shown_image: None,

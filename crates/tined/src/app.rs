@@ -209,6 +209,9 @@ pub async fn run_vm(
     JsonBody(spec): JsonBody<host::vm::RunSpec>,
 ) -> ApiResult<Response> {
     absolute_paths(&spec)?;
+    if let Some(every) = spec.keep_every_s {
+        crate::keep::check(&spec.name, every)?;
+    }
     let fp = fingerprint(&headers, "POST", "/v1/vms", &spec);
     idempotent(&s, &headers, fp, || async {
         let st = s.clone();
@@ -218,7 +221,15 @@ pub async fn run_vm(
         } else {
             "boot"
         };
+        let keep = spec.keep_every_s;
         let report = blocking(move || host::vm::start(&st.host, spec)).await?;
+        if let Some(every) = keep {
+            // Checked above; the vm runs, so only a vanished vm fails here.
+            let (st, n) = (s.clone(), name.clone());
+            if let Err(e) = blocking(move || crate::keep::set(&st.host, &n, Some(every))).await {
+                tracing::warn!(vm = %name, "keep policy not set: {}", e.body.message);
+            }
+        }
         s.metrics
             .wakes
             .get_or_create(&crate::metrics::KindLabel { kind: kind.into() })

@@ -88,19 +88,28 @@ pub fn last_snapshot(vm: &host::state::VmDir) -> Option<i64> {
     read(vm).and_then(|k| k.last_snapshot)
 }
 
+/// Whether vm `name` may keep every `every_s` seconds.
+pub fn check(name: &str, every_s: u64) -> host::Result<()> {
+    host::state::validate_name(name)?;
+    if every_s < MIN_EVERY_S {
+        return Err(host::Error::invalid(format!(
+            "keep every {every_s} s: at least {MIN_EVERY_S} s"
+        )));
+    }
+    // The keep branch is NAME.keep-SEQ: refuse a name too long for it
+    // now rather than fail every period.
+    host::state::validate_name(&branch_name(name, u64::from(u32::MAX))).map_err(|_| {
+        host::Error::invalid(format!(
+            "vm name {name:?} is too long for keep branches ({name}.keep-N must fit in 48 characters)"
+        ))
+    })
+}
+
 /// Sets (`Some`) or clears `name`'s policy.
 pub fn set(h: &host::Host, name: &str, every_s: Option<u64>) -> host::Result<Keep> {
     host::state::validate_name(name)?;
     if let Some(s) = every_s {
-        if s < MIN_EVERY_S {
-            return Err(host::Error::invalid(format!(
-                "keep every {s} s: at least {MIN_EVERY_S} s"
-            )));
-        }
-        // The keep branch is NAME.keep-SEQ: refuse a name too long for it
-        // now rather than fail every period.
-        host::state::validate_name(&branch_name(name, u64::from(u32::MAX)))
-            .map_err(|_| host::Error::invalid(format!("vm name {name:?} is too long for keep branches ({name}.keep-N must fit in 48 characters)")))?;
+        check(name, s)?;
     }
     let vm = host::state::VmDir::new(&h.home, name);
     update(&vm, |k| k.every_s = every_s)

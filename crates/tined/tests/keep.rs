@@ -69,6 +69,11 @@ fn keep_survives_a_lost_vmm() {
     t.wait_line("w", 0, |l| l.starts_with("READY"));
 
     // Below the minimum, and on no vm: refused.
+    t.post(
+        "/v1/vms",
+        json!({"name": "x", "image": "micro-memtouch", "mem_mib": 64, "no_agent": true, "keep_every_s": 2}),
+    )
+    .expect_error(400, "invalid_input");
     t.put("/v1/vms/w/keep", json!({"every_s": 1}))
         .expect_error(400, "invalid_input");
     t.put("/v1/vms/nope/keep", json!({"every_s": 5}))
