@@ -1,5 +1,5 @@
 //! The fleet's tables in the metadata database `TINE_META` names: SQLite
-//! (one host: `$TINE_HOME/store/tree.db`, beside the store's tables) or
+//! (one host: `$TINE_HOME/fleet.db`) or
 //! PostgreSQL (every host of a fleet).
 //!
 //! Written by hand over rusqlite and postgres rather than through an ORM:

@@ -112,7 +112,8 @@ pub fn join(
 ) -> anyhow::Result<Member> {
     let url = fleet::MetaUrl::parse(
         std::env::var("TINE_META").ok().as_deref(),
-        h.home.join("store").join("tree.db"),
+        // Not in store/: its existence means "this home has a store".
+        h.home.join("fleet.db"),
     )?;
     let fleet = fleet::Fleet::open(&url)?;
     let id = host_id(&h.home, given_id)?;

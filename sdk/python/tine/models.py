@@ -82,6 +82,8 @@ class ForkReport:
     continuation_pid: Optional[int] = None
     pause_ms: Optional[float] = None
     quiesce: Optional[Dict[str, Any]] = None
+    # The host each child runs on, when a fleet spread them.
+    hosts: List[str] = field(default_factory=list)
 
 
 @dataclass
