@@ -7,7 +7,9 @@
 //! tap of the tree (a /32 on each tap, so no bridge is needed) and each vm
 //! gets its own address with a /32 route to its tap. A lease is a file
 //! `$TINE_HOME/net/leases/ADDR` created with O_EXCL, so concurrent forks
-//! never hand out one address twice and nothing needs a lock.
+//! never hand out one address twice and nothing needs a lock. A new tree
+//! also skips any /24 whose gateway is already on an interface of this
+//! network namespace: another home's (a fleet's hosts sharing one).
 //!
 //! Isolation (table `inet tine`): a packet from a tap (`tt-*`) whose source
 //! is not that tap's leased address is dropped, and so is IPv6 (the pool is
@@ -87,11 +89,50 @@ fn prepare(home: &Path) -> crate::Result<()> {
     std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))
 }
 
-/// A new tree's first address: `.2` of a /24 no other tree uses.
+/// The /24s whose gateway (`10.213.S.1`) is already on an interface of
+/// this network namespace: trees of another home here, such as a second
+/// tined of a fleet sharing the namespace (hosts that share one L2 must
+/// not hand out one address twice). Best effort: an unreadable list
+/// leaves only this home's own leases to go by.
+fn subnets_on_interfaces() -> std::collections::HashSet<u8> {
+    let mut out = std::collections::HashSet::new();
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes the head of a list it allocated into
+    // `list`, which is freed below and not used after.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return out;
+    }
+    let mut p = list;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned, not yet
+        // freed; an AF_INET ifa_addr points at a sockaddr_in.
+        let (addr, next) = unsafe { ((*p).ifa_addr, (*p).ifa_next) };
+        // SAFETY: as above; `addr` is checked for null first.
+        if !addr.is_null() && i32::from(unsafe { (*addr).sa_family }) == libc::AF_INET {
+            // SAFETY: an AF_INET address is a sockaddr_in (see above).
+            let sin = unsafe { *(addr as *const libc::sockaddr_in) };
+            let o = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)).octets();
+            if o[0] == POOL[0] && o[1] == POOL[1] && o[3] == 1 {
+                out.insert(o[2]);
+            }
+        }
+        p = next;
+    }
+    // SAFETY: the list getifaddrs allocated, freed once.
+    unsafe { libc::freeifaddrs(list) };
+    out
+}
+
+/// A new tree's first address: `.2` of a /24 no other tree uses, in this
+/// home or on this namespace's interfaces.
 pub fn lease_new_tree(home: &Path, vm: &str) -> crate::Result<Lease> {
     prepare(home)?;
+    let elsewhere = subnets_on_interfaces();
     for s in 0..=255u8 {
-        if !subnet_in_use(home, s) && take(home, Ipv4Addr::new(POOL[0], POOL[1], s, 2), vm)? {
+        if !elsewhere.contains(&s)
+            && !subnet_in_use(home, s)
+            && take(home, Ipv4Addr::new(POOL[0], POOL[1], s, 2), vm)?
+        {
             return Ok(Lease {
                 ip: Ipv4Addr::new(POOL[0], POOL[1], s, 2),
             });
@@ -307,6 +348,43 @@ mod tests {
         let again = lease_in_tree(&home, &a, "again").expect("reuse");
         assert_eq!(again.ip, kids[0].ip, "a released address is reused");
         let _ = std::fs::remove_dir_all(&home);
+    }
+
+    /// Another home's tree in this namespace (its gateway on an interface:
+    /// a tap here, since the dummy module may be missing) keeps its /24
+    /// out of this home's new trees: two tineds of a fleet on one
+    /// namespace never lease one address twice.
+    #[test]
+    fn test_a_subnet_another_home_uses_here_is_not_leased() {
+        // A network namespace of this thread's own (root only), so the
+        // host's interfaces are not touched; `ip` inherits it.
+        let t = std::thread::spawn(|| {
+            // SAFETY: unshare with a plain flag; affects this thread only.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                eprintln!("skipping: cannot make a network namespace (not root?)");
+                return;
+            }
+            let ip = |args: &str| {
+                let ok = Command::new("ip")
+                    .args(args.split(' '))
+                    .status()
+                    .is_ok_and(|s| s.success());
+                assert!(ok, "ip {args}");
+            };
+            ip("tuntap add dev tt-other mode tap");
+            ip("addr add 10.213.0.1/32 dev tt-other");
+            ip("addr add 10.213.2.1/32 dev tt-other");
+            assert_eq!(
+                subnets_on_interfaces(),
+                [0u8, 2].into_iter().collect(),
+                "the gateways on this namespace's interfaces"
+            );
+            let home = tempfile::tempdir().expect("home");
+            let a = lease_new_tree(home.path(), "a").expect("a");
+            let b = lease_new_tree(home.path(), "b").expect("b");
+            assert_eq!((a.subnet(), b.subnet()), (1, 3), "{a:?} {b:?}");
+        });
+        t.join().expect("the namespace's thread");
     }
 
     #[test]

@@ -751,6 +751,10 @@ pub struct VmInfo {
     /// Whether its guest runs tine's agent.
     #[serde(default)]
     pub agent: bool,
+    /// Its address (vms with a network: `--net`), leased by the host it
+    /// runs on.
+    #[serde(default)]
+    pub address: Option<String>,
 }
 
 /// One vm's row.
@@ -787,6 +791,7 @@ fn row(h: &Host, vm: &VmDir, r: &VmRecord) -> VmInfo {
             .map(|v| v.into_iter().map(|c| c.tag).collect())
             .unwrap_or_default(),
         agent: r.agent,
+        address: r.lease.map(|l| l.ip.to_string()),
     }
 }
 

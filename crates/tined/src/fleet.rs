@@ -318,6 +318,8 @@ pub fn move_vm(
     let sleep = host::tree::sleep(&st.host, name, bar)?;
     let spec = host::tree::WakeSpec {
         host: Some(target.host.clone()),
+        // A network of the target's: a new lease there.
+        net: info.address.is_some(),
         ..Default::default()
     };
     let wake = remote_operation(

@@ -4,6 +4,8 @@
 //! removes after it. Micro guests on this host's /dev/kvm.
 
 mod common;
+#[path = "common/servers.rs"]
+mod servers;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,62 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::{kvm_available, Tined};
 use serde_json::{json, Value};
-
-/// The servers of one test, stopped and removed when dropped.
-struct Servers {
-    dir: PathBuf,
-    env: Vec<(String, String)>,
-}
-
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers")
-}
-
-impl Servers {
-    fn start(tag: &str, garage_nodes: u32) -> Servers {
-        let dir = std::env::temp_dir().join(format!("tine-fleet-{tag}-{}", std::process::id()));
-        let mut s = Servers {
-            dir: dir.clone(),
-            env: vec![],
-        };
-        for args in [
-            vec!["pg".to_string()],
-            vec![
-                "garage".to_string(),
-                String::new(),
-                garage_nodes.to_string(),
-            ],
-        ] {
-            let mut a = args.clone();
-            if a.len() > 1 {
-                a[1] = dir.display().to_string();
-            } else {
-                a.push(dir.display().to_string());
-            }
-            let out = Command::new(script())
-                .args(&a)
-                .output()
-                .expect("run scripts/servers");
-            assert!(
-                out.status.success(),
-                "scripts/servers {a:?} failed (scripts/setup installs PostgreSQL and Garage): {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            for l in String::from_utf8_lossy(&out.stdout).lines() {
-                if let Some((k, v)) = l.split_once('=') {
-                    s.env.push((k.to_string(), v.to_string()));
-                }
-            }
-        }
-        s
-    }
-}
-
-impl Drop for Servers {
-    fn drop(&mut self) {
-        let _ = Command::new(script()).arg("stop").arg(&self.dir).status();
-    }
-}
+use servers::Servers;
 
 fn host(s: &Servers, id: &str, extra: &[(&str, String)]) -> Tined {
     let mut env = s.env.clone();
@@ -268,6 +215,30 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     assert!(moved["downtime_ms"].as_f64() > Some(0.0), "{moved}");
     h1.get("/v1/vms/mv").expect_error(404, "not_found");
     assert_eq!(sum(&h2, "mv", 8), m1, "moved with its memory");
+
+    // A network identity is the host's it runs on. Two hosts sharing this
+    // namespace never lease one /24; a vm moved with a network gets a new
+    // lease there.
+    let subnet = |t: &Tined, vm: &str| -> String {
+        let a = t.get(&format!("/v1/vms/{vm}")).expect(200)["address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{vm} has an address"))
+            .to_string();
+        a.rsplit_once('.').map(|(s, _)| s.to_string()).unwrap_or(a)
+    };
+    for (t, vm) in [(&h1, "n1"), (&h2, "n2")] {
+        t.post(
+            "/v1/vms",
+            json!({"name": vm, "image": "micro-counter", "mem_mib": 64, "no_agent": true, "net": true}),
+        )
+        .expect(201);
+    }
+    let (s1, s2) = (subnet(&h1, "n1"), subnet(&h2, "n2"));
+    assert_ne!(s1, s2, "two hosts' trees in one namespace");
+    h1.operation_ok("/v1/vms/n1/move", json!({"to": "h2"}));
+    let moved = subnet(&h2, "n1");
+    assert_ne!(moved, s2, "a tree of its own on h2");
+    h2.wait_line("n1", 0, |l| l.starts_with("CNT"));
 
     // The tree is one: every host lists the same branches; verify passes
     // on each.

@@ -63,6 +63,7 @@ class VmInfo:
     pid: Optional[int] = None
     rss_mib: Optional[int] = None
     uptime_s: Optional[int] = None
+    address: Optional[str] = None
 
 
 @dataclass
