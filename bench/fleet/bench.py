@@ -14,7 +14,10 @@ What it measures (medians; a ratio is within one run):
   manifest against each offer, score): 3 real hosts, then 97 more
   simulated rows (copies of h1's, inserted with psql).
 - move_pause_ms: `tine move` h1 -> h2 of a vm with 64 MiB written: from
-  the start of its sleep until it runs on h2.
+  the start of its sleep until it runs on h2, after a pre-copy round (its
+  memory stored while it ran, fetched by h2; the sleep then stores only
+  what it wrote since). move_pause_stop_ms: the same without the round
+  (sleep, then wake), interleaved with it.
 - pg_vs_sqlite_sleep / _wake: the same sleep and warm wake on a tined
   whose metadata is its own SQLite file (same Garage, another prefix)
   against h1 on PostgreSQL.
@@ -238,15 +241,20 @@ def main():
         subprocess.run(["/usr/lib/postgresql/15/bin/psql", env["TINE_META"], "-qAt", "-c",
                         "DELETE FROM fleet_hosts WHERE id LIKE 'sim-%'"], check=True, capture_output=True)
 
-        moves = []
-        for i in range(N):
+        moves, moves_stop, rounds = [], [], []
+        for i in range(2 * N):
             name = f"m{i}"
+            precopy = i % 2 == 0
             want = memtouch(h1, name, 300 + i)
-            r = h1.op(f"/v1/vms/{name}/move", {"to": "h2"})
+            r = h1.op(f"/v1/vms/{name}/move", {"to": "h2", "precopy": precopy})
             got = h2.ask(name, f"sum {MIB}", "SUM").split()[-1]
             if got != want:
                 raise SystemExit(f"{name} moved with checksum {got}, not {want}")
-            moves.append(r["downtime_ms"])
+            if precopy:
+                moves.append(r["downtime_ms"])
+                rounds.append(r["precopy"]["total_ms"])
+            else:
+                moves_stop.append(r["downtime_ms"])
             h2.ok("DELETE", f"/v1/vms/{name}?force=true")
 
         ratio = med(cold) / med(warm)
@@ -255,11 +263,14 @@ def main():
         print(f"  the same cold, lazy (memory paged in from the store, the pack first): "
               f"{med(cold_lazy):.1f} ms: {med(cold_lazy) / med(warm):.2f}x")
         print(f"placement decision p50: {p3:.3f} ms with 3 hosts, {p100:.3f} ms with {n} hosts")
-        print(f"move h1 -> h2 ({MIB} MiB written): downtime p50 {med(moves):.1f} ms")
+        print(f"move h1 -> h2 ({MIB} MiB written): downtime p50 {med(moves):.1f} ms after a pre-copy round "
+              f"({med(rounds):.1f} ms, the vm running), {med(moves_stop):.1f} ms without one: "
+              f"{med(moves_stop) / med(moves):.2f}x")
         print(f"sleep p50: PostgreSQL {med(sleep_pg):.1f} ms, SQLite {med(sleep_sq):.1f} ms; "
               f"warm wake -> useful p50: PostgreSQL {med(wake_pg):.1f} ms, SQLite {med(wake_sq):.1f} ms")
         print(f"cross_host_cold_vs_warm={ratio:.2f} placement_ms_p50_3={p3:.3f} "
               f"placement_ms_p50_100={p100:.3f} cross_host_cold_lazy_vs_warm={med(cold_lazy) / med(warm):.2f} move_pause_ms={med(moves):.1f} "
+              f"move_pause_stop_ms={med(moves_stop):.1f} move_precopy_round_ms={med(rounds):.1f} "
               f"pg_vs_sqlite_sleep={med(sleep_pg) / med(sleep_sq):.2f} "
               f"pg_vs_sqlite_wake={med(wake_pg) / med(wake_sq):.2f}")
     except BaseException:

@@ -224,6 +224,11 @@ pub enum Command {
         /// The host (default: the one placement picks among the others).
         #[arg(long)]
         to: Option<String>,
+        /// No pre-copy round: sleep, then wake (by default the memory is
+        /// stored while the vm runs, and only what it writes after is
+        /// copied while it is stopped).
+        #[arg(long)]
+        no_precopy: bool,
         #[arg(long)]
         json: bool,
     },

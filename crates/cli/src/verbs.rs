@@ -598,17 +598,33 @@ fn with_client(c: &Client, command: Command) -> anyhow::Result<ExitCode> {
         Command::Effects(args) => effects(c, args),
         Command::Gateway(cmd) => gateway(c, cmd),
         Command::Keys(cmd) => keys(c, cmd),
-        Command::Move { name, to, json } => {
+        Command::Move {
+            name,
+            to,
+            no_precopy,
+            json,
+        } => {
             let mut bar = render::Bar::new();
             let r: serde_json::Value = c.operation(
                 &format!("/v1/vms/{name}/move"),
-                &serde_json::json!({ "to": to }),
+                &serde_json::json!({ "to": to, "precopy": !no_precopy }),
                 |p| bar.update(p),
             )?;
             bar.finish();
             if json {
                 render::json(&r, true)?;
             } else {
+                if let Some(p) = r["precopy"].as_object() {
+                    println!(
+                        "{name}: pre-copied while it ran in {} (snapshot {}, {} fetched by the target)",
+                        human_ms(p["total_ms"].as_f64().unwrap_or(0.0)),
+                        p["snapshot"],
+                        p["prefetched"]
+                            .as_u64()
+                            .map(|b| format!("{} MiB", b >> 20))
+                            .unwrap_or_else(|| "nothing".into()),
+                    );
+                }
                 println!(
                     "{name}: moved from {} to {}, stopped {} (its pause {}, stored {}, woken there in {})",
                     r["from"].as_str().unwrap_or("?"),

@@ -19,6 +19,20 @@ use crate::{bail, Host};
 pub struct BranchLink {
     pub branch: String,
     pub snapshot: i64,
+    /// The label of the VMM's dirty base when it is not the snapshot's id:
+    /// a move's pre-copy round gives its own (the id is not known when
+    /// the VMM restarts its dirty set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+}
+
+impl BranchLink {
+    /// What the VMM's diff layers name as their base.
+    pub fn base_label(&self) -> String {
+        self.base
+            .clone()
+            .unwrap_or_else(|| self.snapshot.to_string())
+    }
 }
 
 pub(crate) fn link_path(vm: &VmDir) -> PathBuf {
@@ -91,6 +105,7 @@ pub(crate) fn link_children(h: &Host, parent: &VmDir, children: &[&VmDir]) -> Ve
             let l = BranchLink {
                 branch: c.name.clone(),
                 snapshot: link.snapshot,
+                base: link.base.clone(),
             };
             state::write_atomic(&link_path(c), &serde_json::to_vec(&l)?)?;
             store.create_branch(&c.name, snapshot, BranchState::Running)?;

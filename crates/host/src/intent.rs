@@ -36,6 +36,8 @@ pub enum Op {
     },
     /// Put `vm` to sleep through the staging directory `staging`.
     Sleep { vm: String, staging: PathBuf },
+    /// Store `vm`'s moment while it runs on (a move's pre-copy round).
+    Precopy { vm: String, staging: PathBuf },
     /// Wake branch `branch` as vm `vm`.
     Wake { branch: String, vm: String },
     /// Remove `vm`.

@@ -78,6 +78,7 @@ fn describe(op: &Op) -> String {
         Op::Rollback { vm, tag } => format!("rollback {vm} to {tag}"),
         Op::Snapshot { vm, dir, .. } => format!("snapshot {vm} to {}", dir.display()),
         Op::Sleep { vm, .. } => format!("sleep {vm}"),
+        Op::Precopy { vm, .. } => format!("pre-copy {vm}"),
         Op::Wake { branch, vm } => format!("wake {branch} as {vm}"),
         Op::Remove { vm } => format!("rm {vm}"),
     }
@@ -155,6 +156,14 @@ fn settle_intent(h: &Host, rec: &intent::Record) -> String {
                 wake_parent(&d);
                 "the snapshot was not committed; the vm runs on".into()
             }
+        }
+        Op::Precopy { vm: name, staging } => {
+            // The vm runs on either way; a committed round only left its
+            // branch running at the new snapshot (its link was written
+            // first, so the next sleep stores over the right base).
+            let _ = std::fs::remove_dir_all(staging);
+            crate::settle::settle_pid(&dir(name));
+            "the vm runs on".into()
         }
         Op::Wake { branch, vm: name } => {
             // The Run intent of the same wake (if any) removed a vm that was

@@ -9,6 +9,9 @@
 //!   branch now sleeping, then end the vm. Until the commit the vm is
 //!   still there; a failure wakes it again. The commit is the point of no
 //!   return: a crash after it is finished by reconcile.
+//! - precopy (a move's first round): the same store of a moment, but the
+//!   vm runs on, its branch running at the snapshot and its dirty set
+//!   restarted there, so the move's sleep stores only a diff.
 //! - wake: materialize the snapshot once per host into
 //!   `store/wake/SNAPSHOT/` (its manifest written last), then restore a
 //!   new vm from it. Copies of one snapshot map the same memory file
@@ -77,6 +80,30 @@ pub struct DiskReport {
 /// Puts a running vm to sleep: its moment goes into the store and the vm
 /// ends; its branch sleeps.
 pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepReport> {
+    to_store(h, name, bar, Round::Sleep)
+}
+
+/// A move's pre-copy round: the vm's moment goes into the store as a
+/// snapshot while the vm runs on, its branch running at it, and the VMM's
+/// dirty tracking restarts there. The sleep that follows stores only the
+/// pages written since (a diff layer over this snapshot), and the target
+/// host can fetch this snapshot's chunks while the vm still runs: a
+/// move's downtime pays for what the guest wrote meanwhile, not for all
+/// of its memory. QEMU's and vMotion's pre-copy, through the store.
+pub fn precopy(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepReport> {
+    to_store(h, name, bar, Round::Precopy)
+}
+
+/// What storing a running vm's moment is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Round {
+    /// The vm ends; its branch sleeps.
+    Sleep,
+    /// The vm runs on; its branch runs at the new snapshot.
+    Precopy,
+}
+
+fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Result<SleepReport> {
     state::validate_name(name)?;
     let _lock = lock::acquire(&h.home, name, lock::DEFAULT_WAIT)?;
     let (vm, mut r) = crate::vm::running_for(h, name, "be put to sleep")?;
@@ -100,12 +127,32 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
         .join("staging")
         .join(format!("sleep-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
+    // A pre-copy round restarts the dirty set at its moment (under a
+    // label of its own: the snapshot's id comes from the store later).
+    let label = match round {
+        Round::Sleep => None,
+        Round::Precopy => {
+            let c = api::call(&vm.api_socket(), &Request::TrackDirty, SNAPSHOT_TIMEOUT)
+                .with_context(|| format!("cannot ask {name:?}'s VMM to track dirty pages"))?;
+            if let Some(e) = &c.reply.error {
+                bail!("{name:?}'s VMM cannot track dirty pages: {e}");
+            }
+            Some(format!("pre-{}-{}", std::process::id(), state::now_ms()))
+        }
+    };
     let t0 = Instant::now();
+    let (vm_name, staged) = (name.to_string(), staging.clone());
     let mut intent = Intent::begin(
         &h.home,
-        Op::Sleep {
-            vm: name.into(),
-            staging: staging.clone(),
+        match round {
+            Round::Sleep => Op::Sleep {
+                vm: vm_name,
+                staging: staged,
+            },
+            Round::Precopy => Op::Precopy {
+                vm: vm_name,
+                staging: staged,
+            },
         },
     )?;
 
@@ -114,7 +161,12 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     // directory; the vm goes on (in a new process) until the commit.
     gateway::ensure_branch(&vm, &mut r)?;
     let mut moment = gateway::Moment::new(&r, effects::MomentKind::Snapshot)?;
-    let quiesced = wake::quiesce(&vm, &r);
+    // A pre-copy round is no branch point: its moment is only a base the
+    // sleep's diff goes over, so the guest is not asked to quiesce.
+    let quiesced = match round {
+        Round::Sleep => wake::quiesce(&vm, &r),
+        Round::Precopy => Ok(None),
+    };
     let quiesced = match quiesced {
         Ok(q) => q.is_some(),
         Err(e) => {
@@ -131,15 +183,15 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     // A vm woken from a stored snapshot tracks the pages it dirtied since
     // (KVM's dirty log and the VMM's own writes): only those are written
     // and stored, as a diff layer over that snapshot's.
-    let req = match parent {
-        Some(_) => Request::SnapshotLayer {
+    let req = match (parent, round) {
+        (Some(_), _) | (None, Round::Precopy) => Request::SnapshotLayer {
             dir: staging.clone(),
             layers_dir: state::layers_dir(&h.home),
             contract: Some(contract.to_toml()),
             full: false,
-            rebase: None,
+            rebase: label.clone(),
         },
-        None => Request::Snapshot {
+        (None, Round::Sleep) => Request::Snapshot {
             dir: staging.clone(),
             layers_dir: state::layers_dir(&h.home),
             contract: Some(contract.to_toml()),
@@ -198,7 +250,29 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
         vm.dir.join(crate::vm::WORKING_SET),
         staging.join(crate::vm::WORKING_SET),
     );
-    let stored = store_snapshot(&store, &staging, parent, name, bar);
+    let base = parent.and(link.as_ref()).map(BranchLink::base_label);
+    let commit = Commit {
+        name,
+        state: match round {
+            Round::Sleep => BranchState::Sleeping,
+            Round::Precopy => BranchState::Running,
+        },
+        // The link first: a crash after the commit leaves the vm linked to
+        // its new base; one before it, linked to a snapshot that never
+        // was, whose next sleep is then a full one.
+        before: &|id: SnapshotId| match &label {
+            Some(l) => {
+                let link = BranchLink {
+                    branch: name.into(),
+                    snapshot: id.0,
+                    base: Some(l.clone()),
+                };
+                state::write_atomic(&link_path(&vm), &serde_json::to_vec(&link)?)
+            }
+            None => Ok(()),
+        },
+    };
+    let stored = store_snapshot(&store, &staging, parent, base.as_deref(), &commit, bar);
     let _ = std::fs::remove_dir_all(&staging);
     let (snap, logical, new_stored, disks) = match stored {
         Ok(s) => s,
@@ -212,13 +286,17 @@ pub fn sleep(h: &Host, name: &str, bar: &dyn Progress) -> crate::Result<SleepRep
     intent.phase(Phase::Committed)?;
     crate::fault::point("sleep:committed");
     let store_ms = t1.elapsed().as_secs_f64() * 1000.0;
-    // Committed: the vm ends, its branch sleeps in the store.
-    let removed = crate::vm::remove_locked(h, &vm, &r)?;
-    problems.extend(removed.problems);
-    intent.done();
-    drop(_layers);
-    let (_, more) = crate::layers::after_removal(h);
-    problems.extend(more);
+    if round == Round::Sleep {
+        // Committed: the vm ends, its branch sleeps in the store.
+        let removed = crate::vm::remove_locked(h, &vm, &r)?;
+        problems.extend(removed.problems);
+        intent.done();
+        drop(_layers);
+        let (_, more) = crate::layers::after_removal(h);
+        problems.extend(more);
+    } else {
+        intent.done();
+    }
     trim_cache(&store);
     Ok(SleepReport {
         name: name.into(),
@@ -381,6 +459,7 @@ pub fn wake(
         let link = BranchLink {
             branch: name.clone(),
             snapshot: b.snapshot.0,
+            base: None,
         };
         state::write_atomic(&link_path(&vm), &serde_json::to_vec(&link)?)?;
         if name == branch {
@@ -463,6 +542,7 @@ pub(crate) fn finish_wake(h: &Host, branch: &str, name: &str) -> crate::Result<(
     let link = BranchLink {
         branch: name.into(),
         snapshot: b.snapshot.0,
+        base: None,
     };
     state::write_atomic(&link_path(&vm), &serde_json::to_vec(&link)?)?;
     if name == branch {
@@ -828,6 +908,38 @@ fn dir_bytes(dir: &Path) -> u64 {
 }
 
 /// Checks every chunk of the store: present, decompresses, hashes to its name.
+/// What `prefetch` brought into this host's chunk cache.
+#[derive(Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrefetchReport {
+    pub snapshot: i64,
+    /// Stored bytes fetched from the backend (chunks the cache had are
+    /// not counted).
+    pub fetched: u64,
+    pub ms: f64,
+}
+
+/// Brings every chunk of committed snapshot `id` (memory and disks) into
+/// this host's chunk cache, verified: a move's target does it while the
+/// vm still runs on its source, so the wake after the move's final sleep
+/// reads the cache. Without a remote backend there is nothing to do.
+pub fn prefetch(h: &Host, id: i64, bar: &dyn Progress) -> crate::Result<PrefetchReport> {
+    let t0 = Instant::now();
+    let store = open(h)?;
+    let info = store.snapshot(SnapshotId(id))?;
+    let mut fetched = 0;
+    for l in &info.layers {
+        let view = store.layer(info.id, l.kind)?;
+        let all: Vec<u64> = (0..view.windows()).collect();
+        fetched += view.prefetch(&all, bar)?;
+    }
+    Ok(PrefetchReport {
+        snapshot: id,
+        fetched,
+        ms: t0.elapsed().as_secs_f64() * 1000.0,
+    })
+}
+
 pub fn verify(h: &Host, bar: &dyn Progress) -> crate::Result<store::VerifyReport> {
     Ok(open(h)?.verify(bar)?)
 }
@@ -840,9 +952,11 @@ fn store_snapshot(
     store: &Store,
     dir: &Path,
     parent: Option<SnapshotId>,
-    name: &str,
+    base: Option<&str>,
+    commit: &Commit,
     bar: &dyn Progress,
 ) -> crate::Result<(SnapshotId, u64, u64, Vec<DiskReport>)> {
+    let name = commit.name;
     let manifest_text = std::fs::read_to_string(dir.join(snapshot_dir::MANIFEST))
         .context("the staged snapshot has no manifest")?;
     let manifest: Manifest = serde_json::from_str(&manifest_text)?;
@@ -850,10 +964,10 @@ fn store_snapshot(
     let before = store.counters();
     let mut w = store.begin(parent, &manifest_text)?;
     let mem = match (parent, dir.join(snapshot_dir::MEMORY_LAYER)) {
-        (Some(p), layer) if layer.is_file() => {
+        (p, layer) if layer.is_file() => {
             let file = vmm::layer::LayerFile::open(&layer)?;
-            match file.base() {
-                Some(b) if file.is_diff() && b == p.0.to_string() => {
+            match (p, file.base()) {
+                (Some(p), Some(b)) if file.is_diff() && Some(b) == base => {
                     let source = DiffSource {
                         base: store.layer(p, LayerKind::Memory)?,
                         bitmap: file.flat_bitmap(),
@@ -865,6 +979,10 @@ fn store_snapshot(
                     };
                     w.put_layer(LayerKind::Memory, &source, &dirty, bar)?
                 }
+                // A diff over anything else cannot be read as an image.
+                (_, b) if file.is_diff() => bail!(
+                    "the VMM wrote a diff over {b:?}, but {name:?} is linked to {base:?} (parent snapshot {parent:?}); nothing was stored"
+                ),
                 // A full layer (the VMM had no complete dirty set).
                 _ => w.put_layer(LayerKind::Memory, &FullSource(file), &Dirty::All, bar)?,
             }
@@ -912,13 +1030,14 @@ fn store_snapshot(
     let change = match store.branch(name)? {
         Some(b) => BranchChange::Update {
             id: b.id,
-            state: BranchState::Sleeping,
+            state: commit.state,
         },
         None => BranchChange::Create {
             name: name.into(),
-            state: BranchState::Sleeping,
+            state: commit.state,
         },
     };
+    (commit.before)(w.id())?;
     let (snap, _) = w.commit_branch(change)?;
     let after = store.counters();
     Ok((
@@ -927,6 +1046,14 @@ fn store_snapshot(
         after.put_bytes.saturating_sub(before.put_bytes),
         disks,
     ))
+}
+
+/// How a stored moment is committed: branch `name` in `state`, after
+/// `before` ran with the snapshot's id.
+struct Commit<'a> {
+    name: &'a str,
+    state: BranchState,
+    before: &'a dyn Fn(SnapshotId) -> crate::Result<()>,
 }
 
 /// The store windows of disk `i` that can differ from the `parent`

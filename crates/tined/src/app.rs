@@ -609,6 +609,11 @@ pub struct MoveSpec {
     /// The host (default: the one placement picks among the others).
     #[serde(default)]
     pub to: Option<String>,
+    /// First store the vm's memory while it runs (a pre-copy round, its
+    /// chunks fetched by the target meanwhile), so the downtime pays only
+    /// for what it writes after (default true); false: sleep, then wake.
+    #[serde(default)]
+    pub precopy: Option<bool>,
 }
 
 #[utoipa::path(post, path = "/v1/vms/{name}/move", tag = "fleet",
@@ -628,7 +633,15 @@ pub async fn move_vm(
         "move",
         name.clone(),
         "vm.moved",
-        move |_h, p| crate::fleet::move_vm(&st, &name, spec.to.as_deref(), p),
+        move |_h, p| {
+            crate::fleet::move_vm(
+                &st,
+                &name,
+                spec.to.as_deref(),
+                spec.precopy.unwrap_or(true),
+                p,
+            )
+        },
     ))
 }
 
@@ -896,6 +909,27 @@ pub async fn gc(State(s): State<Shared>) -> Response {
     start_operation(&s, "gc", "store".into(), "gc.done", |h, p| {
         host::tree::gc(h, p)
     })
+}
+
+/// A snapshot to bring into this host's chunk cache.
+#[derive(Deserialize, Serialize, utoipa::ToSchema)]
+pub struct PrefetchSpec {
+    /// A committed snapshot of the (shared) tree.
+    pub snapshot: i64,
+}
+
+#[utoipa::path(post, path = "/v1/store/prefetch", tag = "fleet",
+    request_body = PrefetchSpec,
+    responses((status = 202, body = Operation, description = "result: PrefetchReport (a move's target fetches the pre-copied snapshot)"),
+        (status = 400, body = ErrorBody)))]
+pub async fn prefetch(State(s): State<Shared>, JsonBody(spec): JsonBody<PrefetchSpec>) -> Response {
+    start_operation(
+        &s,
+        "prefetch",
+        "store".into(),
+        "store.prefetched",
+        move |h, p| host::tree::prefetch(h, spec.snapshot, p),
+    )
 }
 
 #[utoipa::path(post, path = "/v1/store/verify", tag = "tree",

@@ -259,7 +259,10 @@ pub struct MoveReport {
     pub name: String,
     pub from: String,
     pub to: String,
-    /// The sleep on this host.
+    /// The pre-copy round, if there was one: the vm ran on meanwhile.
+    pub precopy: Option<PrecopyRound>,
+    /// The sleep on this host (after a pre-copy round, a diff: the pages
+    /// written since).
     #[schema(value_type = Object)]
     pub sleep: host::tree::SleepReport,
     /// The wake on the other one.
@@ -270,14 +273,35 @@ pub struct MoveReport {
     pub downtime_ms: f64,
 }
 
+/// A move's pre-copy round, while the vm ran.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct PrecopyRound {
+    /// The snapshot the move's sleep stores its diff over.
+    pub snapshot: i64,
+    /// The vm's pause to take the round's moment.
+    pub pause_ms: f64,
+    /// Storing it (the vm running).
+    pub store_ms: f64,
+    /// Bytes new in the backend.
+    pub new_stored: u64,
+    /// Stored bytes the target fetched into its cache meanwhile (None:
+    /// its prefetch failed, and the wake fetches what it needs).
+    pub prefetched: Option<u64>,
+    /// The whole round, the target's prefetch included.
+    pub total_ms: f64,
+}
+
 /// Moves running vm `name` to host `to` (or the one placement picks
-/// among the others): it sleeps here into the shared store and wakes
-/// there (the working-set pack fetched first). A wake that fails leaves
-/// the branch sleeping, and says so.
+/// among the others). With `precopy`, its memory is first stored while it
+/// runs and the target fetches those chunks; then it sleeps here into the
+/// shared store (after a pre-copy, only the pages written since) and
+/// wakes there (the working-set pack fetched first). A wake that fails
+/// leaves the branch sleeping, and says so.
 pub fn move_vm(
     st: &Shared,
     name: &str,
     to: Option<&str>,
+    precopy: bool,
     bar: &dyn store::Progress,
 ) -> host::Result<MoveReport> {
     let m = st.fleet.get().filter(|m| m.fleet.shared()).ok_or_else(|| {
@@ -314,6 +338,34 @@ pub fn move_vm(
     };
     let target = fleet::place(&hosts, &need, None)
         .map_err(|r| host::Error::conflict(format!("cannot move {name:?}: {r}")))?;
+    let precopy = if precopy {
+        let t = std::time::Instant::now();
+        let round = host::tree::precopy(&st.host, name, bar)?;
+        bar.start(&format!("prefetch on {}", target.host), 0);
+        let fetched = remote_operation(
+            &target.address,
+            "/v1/store/prefetch",
+            &serde_json::json!({ "snapshot": round.snapshot }),
+        );
+        bar.finish();
+        let prefetched = match fetched {
+            Ok(v) => v.get("fetched").and_then(|f| f.as_u64()),
+            Err(e) => {
+                tracing::warn!(vm = %name, "move: the target's prefetch failed: {e}");
+                None
+            }
+        };
+        Some(PrecopyRound {
+            snapshot: round.snapshot,
+            pause_ms: round.pause_ms,
+            store_ms: round.store_ms,
+            new_stored: round.new_stored,
+            prefetched,
+            total_ms: t.elapsed().as_secs_f64() * 1000.0,
+        })
+    } else {
+        None
+    };
     let t0 = std::time::Instant::now();
     let sleep = host::tree::sleep(&st.host, name, bar)?;
     let spec = host::tree::WakeSpec {
@@ -337,6 +389,7 @@ pub fn move_vm(
         name: name.into(),
         from: m.id.clone(),
         to: target.host,
+        precopy,
         sleep,
         wake,
         downtime_ms: t0.elapsed().as_secs_f64() * 1000.0,

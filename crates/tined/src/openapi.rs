@@ -48,6 +48,7 @@ use utoipa::OpenApi;
         crate::app::store_tree,
         crate::app::gc,
         crate::app::verify,
+        crate::app::prefetch,
         crate::app::list_hosts,
         crate::app::branch_placement,
         crate::app::move_vm,

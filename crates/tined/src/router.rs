@@ -100,6 +100,7 @@ pub fn app(state: Shared) -> Router {
         .route("/v1/tree/store", get(store_tree))
         .route("/v1/gc", post(gc))
         .route("/v1/store/verify", post(verify))
+        .route("/v1/store/prefetch", post(crate::app::prefetch))
         .route("/v1/hosts", get(list_hosts))
         .route("/v1/branches/{name}/placement", get(branch_placement))
         .route("/v1/vms/{name}/move", post(move_vm))

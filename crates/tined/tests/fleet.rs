@@ -7,8 +7,6 @@ mod common;
 #[path = "common/servers.rs"]
 mod servers;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{kvm_available, Tined};
@@ -206,15 +204,69 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
         "{op}"
     );
     assert_eq!(h1.get("/v1/vms/mv").expect(200)["state"], "running");
-    let moved = h1.operation_ok("/v1/vms/mv/move", json!({"to": "h2"}));
+    // What `touch 8 11` leaves, from a copy that has memtouch too.
+    let at0 = if on[0] == "h1" { &h1 } else { &h2 };
+    let s11 = last_word(&at0.ask(&names[0], "touch 8 11", "TOUCHED"));
+    assert_ne!(s11, m1);
+    // Its memory is stored while it runs (the pre-copy round) and fetched
+    // by h2; then it sleeps on h1, storing what it wrote since (a diff
+    // over the round's snapshot), and wakes on h2. It rewrites its memory
+    // once the round is stored (while h2 fetches it): only the diff can
+    // carry that to h2.
+    let op = h1.post("/v1/vms/mv/move", json!({"to": "h2"})).expect(202);
+    let id = op["id"].as_str().unwrap_or_default().to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut rewrote = false;
+    while Instant::now() < deadline {
+        let now = h1.get(&format!("/v1/operations/{id}")).expect(200);
+        if now["state"] != "running" {
+            break;
+        }
+        if now["progress"]["what"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("prefetch"))
+        {
+            h1.post("/v1/vms/mv/console", json!({"line": "touch 8 11"}))
+                .expect(204);
+            rewrote = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let done = h1.wait_op(&id);
+    assert_eq!(done["state"], "succeeded", "{done}");
+    let moved = &done["result"];
     assert_eq!(
         (moved["from"].as_str(), moved["to"].as_str()),
         (Some("h1"), Some("h2")),
         "{moved}"
     );
     assert!(moved["downtime_ms"].as_f64() > Some(0.0), "{moved}");
+    let pre = &moved["precopy"];
+    assert!(pre["snapshot"].as_i64().is_some(), "{moved}");
+    assert_eq!(
+        moved["sleep"]["parent"], pre["snapshot"],
+        "a diff over the round"
+    );
+    assert!(
+        pre["prefetched"].as_u64().is_some(),
+        "h2 fetched it: {moved}"
+    );
+    common::progress(&format!(
+        "move with pre-copy: round {} ms (its pause {} ms), then stopped {} ms; the diff held {} bytes",
+        pre["total_ms"], pre["pause_ms"], moved["downtime_ms"], moved["sleep"]["memory_logical"]
+    ));
     h1.get("/v1/vms/mv").expect_error(404, "not_found");
-    assert_eq!(sum(&h2, "mv", 8), m1, "moved with its memory");
+    assert!(rewrote, "the move was never seen prefetching: {done}");
+    assert!(
+        moved["sleep"]["memory_logical"].as_u64() >= Some(8 << 20),
+        "the diff holds the rewrite: {moved}"
+    );
+    assert_eq!(
+        sum(&h2, "mv", 8),
+        s11,
+        "moved with the memory it wrote last"
+    );
 
     // A network identity is the host's it runs on. Two hosts sharing this
     // namespace never lease one /24; a vm moved with a network gets a new
@@ -235,7 +287,8 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     }
     let (s1, s2) = (subnet(&h1, "n1"), subnet(&h2, "n2"));
     assert_ne!(s1, s2, "two hosts' trees in one namespace");
-    h1.operation_ok("/v1/vms/n1/move", json!({"to": "h2"}));
+    let m = h1.operation_ok("/v1/vms/n1/move", json!({"to": "h2", "precopy": false}));
+    assert!(m["precopy"].is_null(), "asked without: {m}");
     let moved = subnet(&h2, "n1");
     assert_ne!(moved, s2, "a tree of its own on h2");
     h2.wait_line("n1", 0, |l| l.starts_with("CNT"));
