@@ -120,6 +120,11 @@ pub struct Registration {
     pub capacity: Capacity,
     /// How long a heartbeat keeps the host up.
     pub lease_ms: i64,
+    /// Whether the holder of a live lease (its owner string, the lease's
+    /// expiry) is known to have ended (`store::lease::gone`: a process of
+    /// this boot of this machine that is not there): a tined restarted
+    /// after a kill -9 takes its id back at once, not a lease later.
+    pub owner_gone: fn(&str, i64) -> bool,
 }
 
 /// The fleet's tables.
@@ -160,7 +165,10 @@ impl Fleet {
     pub fn register(&self, r: &Registration) -> Result<(), FleetError> {
         let now = now_ms();
         if let Some(h) = self.host(&r.id)? {
-            if h.state == HostState::Up && h.owner != r.owner {
+            if h.state == HostState::Up
+                && h.owner != r.owner
+                && !(r.owner_gone)(&h.owner, h.lease_ms)
+            {
                 return Err(FleetError::HostIdTaken {
                     id: r.id.clone(),
                     address: h.address,
@@ -380,6 +388,7 @@ mod tests {
                 vm_mem_mib: 0,
             },
             lease_ms: 60_000,
+            owner_gone: |owner, _| owner == "dead",
         }
     }
 
@@ -446,6 +455,9 @@ mod tests {
         f.heartbeat("h1", "a", &Capacity::default(), &[], -1)
             .expect("heartbeat");
         f.register(&reg("h1", "b")).expect("taken over");
+        // A holder known dead (a kill -9 on this machine) at once.
+        f.register(&reg("h2", "dead")).expect("register");
+        f.register(&reg("h2", "c")).expect("a dead holder's id");
     }
 
     #[test]

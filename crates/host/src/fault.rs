@@ -16,6 +16,7 @@
 //! | `sleep:answered` | the moment is staged; the vm's new process not recorded |
 //! | `sleep:stored` | the store committed the snapshot (the branch sleeps); the intent not marked committed |
 //! | `sleep:committed` | the intent is marked committed; the vm not yet ended |
+//! | `precopy:answered`, `precopy:stored`, `precopy:committed` | the same in a move's pre-copy round (the vm runs on) |
 //! | `wake:materialized` | the snapshot is a directory; no VMM started |
 //! | `wake:started` | the woken vm runs and is recorded; its branch not marked running |
 //!

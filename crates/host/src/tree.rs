@@ -103,6 +103,17 @@ enum Round {
     Precopy,
 }
 
+impl Round {
+    /// Crash point `sleep:POINT` or `precopy:POINT` (crate::fault).
+    fn fault(self, point: &str) {
+        let round = match self {
+            Round::Sleep => "sleep",
+            Round::Precopy => "precopy",
+        };
+        crate::fault::point(&format!("{round}:{point}"));
+    }
+}
+
 fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Result<SleepReport> {
     state::validate_name(name)?;
     let _lock = lock::acquire(&h.home, name, lock::DEFAULT_WAIT)?;
@@ -183,13 +194,18 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
     // A vm woken from a stored snapshot tracks the pages it dirtied since
     // (KVM's dirty log and the VMM's own writes): only those are written
     // and stored, as a diff layer over that snapshot's.
+    // A diff only over the base the link names (the VMM's may be another
+    // after a crash between a pre-copy round's rebase and its record: then
+    // a full layer).
+    let base = parent.and(link.as_ref()).map(BranchLink::base_label);
     let req = match (parent, round) {
         (Some(_), _) | (None, Round::Precopy) => Request::SnapshotLayer {
             dir: staging.clone(),
             layers_dir: state::layers_dir(&h.home),
             contract: Some(contract.to_toml()),
-            full: false,
+            full: parent.is_none(),
             rebase: label.clone(),
+            expect_base: base.clone(),
         },
         (None, Round::Sleep) => Request::Snapshot {
             dir: staging.clone(),
@@ -205,7 +221,7 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
     let reply = match res {
         Ok(c) if c.reply.error.is_none() => {
             let reply = c.reply.clone();
-            crate::fault::point("sleep:answered");
+            round.fault("answered");
             if let Some(pid) = reply.continuation_pid {
                 r.pid = pid;
                 r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -250,7 +266,6 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         vm.dir.join(crate::vm::WORKING_SET),
         staging.join(crate::vm::WORKING_SET),
     );
-    let base = parent.and(link.as_ref()).map(BranchLink::base_label);
     let commit = Commit {
         name,
         state: match round {
@@ -282,9 +297,9 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
             return Err(e.context(format!("{name:?} did not go to sleep; it runs on")));
         }
     };
-    crate::fault::point("sleep:stored");
+    round.fault("stored");
     intent.phase(Phase::Committed)?;
-    crate::fault::point("sleep:committed");
+    round.fault("committed");
     let store_ms = t1.elapsed().as_secs_f64() * 1000.0;
     if round == Round::Sleep {
         // Committed: the vm ends, its branch sleeps in the store.

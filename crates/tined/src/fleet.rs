@@ -133,6 +133,7 @@ pub fn join(
         offer: offer()?,
         capacity,
         lease_ms,
+        owner_gone: store::lease::gone,
     })?;
     Ok(Member {
         fleet,

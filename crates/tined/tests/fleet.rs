@@ -310,6 +310,50 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     }
 }
 
+/// tined killed (kill -9) in a move's pre-copy round, before and after
+/// the round's commit: the next tined finds the vm running here with its
+/// memory, and a move after that carries what it wrote since.
+#[test]
+fn test_a_move_killed_in_its_precopy_round_leaves_the_vm_running() {
+    if !kvm_available() {
+        return;
+    }
+    let s = Servers::start("precopy", 1);
+    let fleet_env = |fault: Option<&str>| {
+        let mut env = s.env.clone();
+        env.push(("TINE_HOST_ID".into(), "h1".into()));
+        env.push(("TINE_HEARTBEAT_MS".into(), "300".into()));
+        if let Some(f) = fault {
+            env.push(("TINE_HOST_FAULT".into(), f.into()));
+        }
+        env
+    };
+    let mut h1 = Tined::start_env("h1", &fleet_env(None), &[]);
+    let h2 = host(&s, "h2", &[]);
+    let mut want = written(&h1, "pc", 8, 4);
+    for (i, point) in ["precopy:answered", "precopy:stored"].iter().enumerate() {
+        h1.kill();
+        h1.start_again_env(&fleet_env(Some(point)));
+        let op = h1.post("/v1/vms/pc/move", json!({"to": "h2"})).expect(202);
+        assert!(op["id"].is_string(), "{op}");
+        assert!(h1.wait_exit().is_some(), "tined did not die at {point}");
+        h1.start_again_env(&fleet_env(None));
+        assert_eq!(
+            h1.get("/v1/vms/pc").expect(200)["state"],
+            "running",
+            "after {point}"
+        );
+        assert_eq!(sum(&h1, "pc", 8), want, "after {point}");
+        want = last_word(&h1.ask("pc", &format!("touch 8 {}", 20 + i), "TOUCHED"));
+    }
+    // The round that committed is the base of the next sleep's diff.
+    let moved = h1.operation_ok("/v1/vms/pc/move", json!({"to": "h2"}));
+    assert!(moved["precopy"]["snapshot"].as_i64().is_some(), "{moved}");
+    assert_eq!(sum(&h2, "pc", 8), want, "moved with what it wrote last");
+    let v = h2.operation_ok("/v1/store/verify", json!({}));
+    assert_eq!(v["missing"], json!([]), "{v}");
+}
+
 #[test]
 fn test_host_loss_is_seen_and_its_vms_named() {
     if !kvm_available() {

@@ -50,7 +50,10 @@ pub enum Request {
     /// vm's dirty base) unless `full` or the vm has no base; the reply's
     /// `layer` says which. With `rebase`, the vm's continuation starts an
     /// empty dirty set relative to that label (the id the caller stores
-    /// this snapshot under). The vm runs on meanwhile, as for Snapshot.
+    /// this snapshot under). With `expect_base`, a diff only over that
+    /// base (a full layer if the vm's base is another: the caller lost
+    /// track of it, say a crash between a rebase and its record). The vm
+    /// runs on meanwhile, as for Snapshot.
     SnapshotLayer {
         dir: PathBuf,
         layers_dir: PathBuf,
@@ -60,6 +63,8 @@ pub enum Request {
         full: bool,
         #[serde(default)]
         rebase: Option<String>,
+        #[serde(default)]
+        expect_base: Option<String>,
     },
     /// Turn dirty tracking on (KVM's dirty log; a no-op if on). The set
     /// has no base until a `SnapshotLayer` with `rebase`.

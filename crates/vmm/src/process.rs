@@ -276,6 +276,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 contract,
                 full,
                 rebase,
+                expect_base,
             } => snapshot_layer(
                 &source,
                 &opts,
@@ -284,6 +285,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 contract.as_deref(),
                 full,
                 rebase,
+                expect_base,
             ),
             Request::TrackDirty => match source.handle().enable_dirty_tracking() {
                 Ok(()) => Reply {
@@ -341,6 +343,7 @@ fn ms(d: Duration) -> f64 {
 
 /// `SnapshotLayer`: the fork path with a writer that writes a memory
 /// layer; the continuation rebases its dirty set if asked.
+#[allow(clippy::too_many_arguments)]
 fn snapshot_layer(
     source: &ForkSource,
     opts: &ProcessOptions,
@@ -349,10 +352,12 @@ fn snapshot_layer(
     contract: Option<&str>,
     full: bool,
     rebase: Option<String>,
+    expect_base: Option<String>,
 ) -> Reply {
     let tracking = source.handle().dirty_tracking();
+    let expected = |b: &String| expect_base.as_ref().is_none_or(|e| e == b);
     let mode = match (&tracking.base, full || !tracking.enabled) {
-        (Some(b), false) => LayerMode::Diff(b.clone()),
+        (Some(b), false) if expected(b) => LayerMode::Diff(b.clone()),
         _ => LayerMode::Full,
     };
     // A full layer reads all of RAM: lazily paged-in memory must be there.

@@ -173,6 +173,16 @@ fn identity(dir: &std::path::Path, name: &str) -> vmm::api::Identity {
 }
 
 fn snapshot_layer(api: &std::path::Path, dir: &std::path::Path, rebase: &str) -> vmm::api::Reply {
+    snapshot_layer_over(api, dir, rebase, None)
+}
+
+/// [`snapshot_layer`] that wants a diff only over `expect_base`.
+fn snapshot_layer_over(
+    api: &std::path::Path,
+    dir: &std::path::Path,
+    rebase: &str,
+    expect_base: Option<&str>,
+) -> vmm::api::Reply {
     let call = vmm::api::call(
         api,
         &vmm::api::Request::SnapshotLayer {
@@ -181,6 +191,7 @@ fn snapshot_layer(api: &std::path::Path, dir: &std::path::Path, rebase: &str) ->
             contract: None,
             full: false,
             rebase: Some(rebase.into()),
+            expect_base: expect_base.map(str::to_string),
         },
         micro::WAIT,
     )
@@ -266,6 +277,17 @@ fn test_dirty_set_follows_forks_and_snapshots() {
     let q = snapshot_layer(&p.api, &dir, "s2").layer.expect("layer");
     assert_eq!(q.base.as_deref(), Some("s1"));
     assert!(q.pages < 64, "{q:?}");
+    // A caller that expects another base (it lost track of a rebase) gets
+    // a full layer, never a diff it would read over the wrong base.
+    let f = snapshot_layer_over(&p.api, &dir, "s3", Some("s1"))
+        .layer
+        .expect("layer");
+    assert_eq!(f.base, None, "the vm's base is s2: {f:?}");
+    assert!(f.pages >= 2048, "{f:?}");
+    let d = snapshot_layer_over(&p.api, &dir, "s4", Some("s3"))
+        .layer
+        .expect("layer");
+    assert_eq!(d.base.as_deref(), Some("s3"), "{d:?}");
     println!("layers: full {l:?}, child {c:?}, parent {pl:?}, idle {q:?}");
 
     let ping = vmm::api::call(&p.api, &vmm::api::Request::Ping, micro::WAIT).expect("ping");

@@ -458,6 +458,7 @@ fn test_diff_layer_of_a_lazily_woken_vm_wakes_into_the_same_memory() {
             contract: None,
             full: false,
             rebase: Some("s1".into()),
+            expect_base: None,
         })
         .expect("snapshot layer");
     let info = reply.layer.expect("layer info");

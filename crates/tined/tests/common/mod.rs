@@ -621,6 +621,13 @@ impl Tined {
         self.wait_healthy();
     }
 
+    /// [`Self::start_again`] with extra environment (a fleet member's).
+    pub fn start_again_env(&mut self, env: &[(String, String)]) {
+        assert!(self.child.is_none(), "tined still runs");
+        self.child = Some(spawn_env(&self.home, &[], env));
+        self.wait_healthy();
+    }
+
     /// Starts micro guest `image` (no agent, 64 MiB) as `name`.
     #[track_caller]
     pub fn run(&self, name: &str, image: &str) -> Value {
