@@ -26,16 +26,6 @@ fn host(id: &str) -> Home {
     h
 }
 
-fn lease_ip(h: &Home, vm: &str) -> String {
-    let rec =
-        std::fs::read_to_string(h.0.path().join("vms").join(vm).join("vm.json")).expect("record");
-    let v: serde_json::Value = serde_json::from_str(&rec).expect("json");
-    v["lease"]["ip"]
-        .as_str()
-        .expect("a vm with --net has a lease")
-        .to_string()
-}
-
 #[test]
 fn test_a_linux_guest_sleeps_on_one_host_and_wakes_on_another() {
     if !kvm_available() {
@@ -105,7 +95,7 @@ fn test_a_linux_guest_sleeps_on_one_host_and_wakes_on_another() {
     assert!(after > before, "the counter went on: {before} then {after}");
     assert_eq!(
         lines.get(4).copied(),
-        Some(format!("inet {}", lease_ip(&h2, "b")).as_str()),
+        Some(format!("inet {}", h2.lease_ip("b")).as_str()),
         "the address h2 leased: {out}"
     );
     let seed_b = exec(&h2, "b", "cat /run/tine/seed 2>/dev/null; true");

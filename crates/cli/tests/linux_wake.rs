@@ -26,17 +26,6 @@ fn now_ns() -> i128 {
         .as_nanos() as i128
 }
 
-/// The vm's lease from `tine ls`-independent state: its record.
-fn lease_ip(h: &Home, vm: &str) -> String {
-    let rec =
-        std::fs::read_to_string(h.0.path().join("vms").join(vm).join("vm.json")).expect("record");
-    let v: serde_json::Value = serde_json::from_str(&rec).expect("json");
-    v["lease"]["ip"]
-        .as_str()
-        .expect("a vm with --net has a lease")
-        .to_string()
-}
-
 fn gateway(ip: &str) -> String {
     let mut o: Vec<&str> = ip.split('.').collect();
     o[3] = "1";
@@ -103,7 +92,7 @@ struct Parent {
 
 fn start_parent(h: &Home, files: &TempDir) -> Parent {
     h.ok(&["run", "--name", "p", "--mem", "256M", "--net"]);
-    let ip = lease_ip(h, "p");
+    let ip = h.lease_ip("p");
     let gw = gateway(&ip);
     assert_eq!(
         exec(
@@ -307,7 +296,7 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
         assert_eq!(lines[1], c, "{c}: hostname");
         assert_eq!(
             lines[3],
-            format!("inet {}/24", lease_ip(&h, c)),
+            format!("inet {}/24", h.lease_ip(c)),
             "{c}: address"
         );
         for (set, v) in seen.iter_mut().zip(&lines) {
@@ -331,7 +320,7 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
         );
     }
     // The parent's address is none of its children's.
-    assert!(!seen[3].contains(&format!("inet {}/24", lease_ip(&h, "p"))));
+    assert!(!seen[3].contains(&format!("inet {}/24", h.lease_ip("p"))));
     let out = exec(&h, "p", "cat /run/secrets/tok; echo; cat /run/secrets/db");
     assert_eq!(
         out, "revoked-value-8d3f2a\nkeep-value-1234",
@@ -519,7 +508,7 @@ fn test_egress_hooks_and_bad_contracts() {
     let h = Home::new("wakeegress");
     let files = TempDir::new("wakeegressfiles");
     h.ok(&["run", "--name", "p", "--mem", "256M", "--net"]);
-    let gw = gateway(&lease_ip(&h, "p"));
+    let gw = gateway(&h.lease_ip("p"));
     let allowed = TcpListener::bind(format!("{gw}:0")).expect("bind");
     let denied = TcpListener::bind(format!("{gw}:0")).expect("bind");
     let (pa, pd) = (
@@ -602,7 +591,7 @@ fn test_egress_hooks_and_bad_contracts() {
         .join()
         .expect("server")
         .expect("the child's connection arrived");
-    assert_eq!(peer.ip().to_string(), lease_ip(&h, "c"));
+    assert_eq!(peer.ip().to_string(), h.lease_ip("c"));
     let d2 = denied.try_clone().expect("clone");
     let server = std::thread::spawn(move || greet(&d2, Duration::from_secs(8)));
     assert_eq!(

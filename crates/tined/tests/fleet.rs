@@ -1,26 +1,168 @@
-//! A fleet on this machine: three tineds with their own homes and host
-//! ids on one PostgreSQL (TINE_META) and one Garage bucket (TINE_STORE),
-//! both real servers that `scripts/servers` starts for the test and
-//! removes after it. Micro guests on this host's /dev/kvm.
+//! A fleet on this machine: three tineds with their own homes, host ids
+//! and network namespaces on one PostgreSQL (TINE_META) and one Garage
+//! bucket (TINE_STORE), both real servers that `scripts/servers` starts
+//! for the test and removes after it. Micro guests on this host's
+//! /dev/kvm.
 
 mod common;
 #[path = "common/servers.rs"]
 mod servers;
 
+use std::process::Command;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{kvm_available, Tined};
 use serde_json::{json, Value};
 use servers::Servers;
 
-fn host(s: &Servers, id: &str, extra: &[(&str, String)]) -> Tined {
+/// Numbers for this process's addresses: 10.214.N.0/30 per host
+/// namespace, 10.214.255.N for a test's servers.
+fn next_number() -> u8 {
+    static NEXT: AtomicU8 = AtomicU8::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    assert!(n < 255, "out of test addresses");
+    n
+}
+
+#[track_caller]
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// An address on lo for one test's servers, which every host namespace
+/// routes to; removed when dropped.
+struct LoAddr(String);
+
+impl LoAddr {
+    fn new() -> LoAddr {
+        let a = format!("10.214.255.{}", next_number());
+        ip(&["addr", "add", &format!("{a}/32"), "dev", "lo"]);
+        LoAddr(a)
+    }
+}
+
+impl Drop for LoAddr {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["addr", "del", &format!("{}/32", self.0), "dev", "lo"])
+            .status();
+    }
+}
+
+/// A host's own network namespace, joined to this one by a veth pair
+/// (10.214.N.1 here, .2 there) with its default route here, where the
+/// servers are: hosts share nothing else, as machines do. Its vms' taps,
+/// addresses and nftables rules are its own.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn new() -> Netns {
+        let n = next_number();
+        let pid = std::process::id() % 100_000;
+        let name = format!("tine-fleet-{pid}-{n}");
+        let (here, there) = (format!("tfa{pid}-{n}"), format!("tfb{pid}-{n}"));
+        ip(&["netns", "add", &name]);
+        let ns = Netns { name };
+        ip(&[
+            "link", "add", &here, "type", "veth", "peer", "name", &there, "netns", &ns.name,
+        ]);
+        ip(&["addr", "add", &format!("10.214.{n}.1/30"), "dev", &here]);
+        ip(&["link", "set", &here, "up"]);
+        let inside = |args: &[&str]| {
+            let mut a = vec!["-n", ns.name.as_str()];
+            a.extend_from_slice(args);
+            ip(&a);
+        };
+        inside(&["addr", "add", &format!("10.214.{n}.2/30"), "dev", &there]);
+        inside(&["link", "set", &there, "up"]);
+        inside(&["link", "set", "lo", "up"]);
+        inside(&["route", "add", "default", "via", &format!("10.214.{n}.1")]);
+        ns
+    }
+
+    /// The IPv4 addresses on this namespace's interfaces.
+    fn addresses(&self) -> String {
+        let out = Command::new("ip")
+            .args(["-n", &self.name, "-4", "-o", "addr"])
+            .output()
+            .expect("ip addr");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Its end of the veth goes with it, and so does ours.
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// One test's fleet: its servers on an address of their own, and a
+/// network namespace per host. Dropped in that order (after the tineds,
+/// which the tests make later).
+struct World {
+    servers: Servers,
+    nets: Mutex<Vec<std::sync::Arc<Netns>>>,
+    _lo: LoAddr,
+}
+
+impl World {
+    fn start(tag: &str, garage_nodes: u32) -> World {
+        let lo = LoAddr::new();
+        World {
+            servers: Servers::start_on(tag, garage_nodes, Some(&lo.0)),
+            nets: Mutex::new(Vec::new()),
+            _lo: lo,
+        }
+    }
+
+    /// A new host namespace, kept until the test ends.
+    fn netns(&self) -> std::sync::Arc<Netns> {
+        let ns = std::sync::Arc::new(Netns::new());
+        self.nets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ns.clone());
+        ns
+    }
+}
+
+impl std::ops::Deref for World {
+    type Target = Servers;
+    fn deref(&self) -> &Servers {
+        &self.servers
+    }
+}
+
+/// The environment of fleet host `id`.
+fn host_env(s: &World, id: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
     let mut env = s.env.clone();
     env.push(("TINE_HOST_ID".into(), id.into()));
     env.push(("TINE_HEARTBEAT_MS".into(), "300".into()));
     for (k, v) in extra {
         env.push((k.to_string(), v.clone()));
     }
-    Tined::start_env(id, &env, &[])
+    env
+}
+
+/// tined as fleet host `id`, in a network namespace of its own.
+fn host(s: &World, id: &str, extra: &[(&str, String)]) -> Tined {
+    host_in(s, id, extra, &s.netns())
+}
+
+fn host_in(s: &World, id: &str, extra: &[(&str, String)], ns: &Netns) -> Tined {
+    Tined::start_env_in(id, &host_env(s, id, extra), &[], Some(&ns.name))
 }
 
 fn last_word(l: &str) -> String {
@@ -71,9 +213,10 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
     if !kvm_available() {
         return;
     }
-    let s = Servers::start("wake", 1);
-    let h1 = host(&s, "h1", &[]);
-    let h2 = host(&s, "h2", &[]);
+    let s = World::start("wake", 1);
+    let (ns1, ns2) = (s.netns(), s.netns());
+    let h1 = host_in(&s, "h1", &[], &ns1);
+    let h2 = host_in(&s, "h2", &[], &ns2);
     // h3 offers less than this CPU has: snapshots taken here cannot wake there.
     let offer = h1.get("/v1/hosts/self/offer").expect(200);
     let file = h1.home.join("narrow-offer.json");
@@ -268,9 +411,9 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
         "moved with the memory it wrote last"
     );
 
-    // A network identity is the host's it runs on. Two hosts sharing this
-    // namespace never lease one /24; a vm moved with a network gets a new
-    // lease there.
+    // A network identity is the host's it runs on: its tap and gateway
+    // are in that host's namespace. A vm moved with a network gets a new
+    // lease there, a tree of its own, and leaves nothing behind.
     let subnet = |t: &Tined, vm: &str| -> String {
         let a = t.get(&format!("/v1/vms/{vm}")).expect(200)["address"]
             .as_str()
@@ -285,12 +428,28 @@ fn test_sleep_on_one_host_wake_on_another_and_placement() {
         )
         .expect(201);
     }
+    let gateways = |ns: &Netns| -> Vec<String> {
+        let mut g: Vec<String> = ns
+            .addresses()
+            .split_whitespace()
+            .filter(|w| w.starts_with("10.213.") && w.ends_with(".1/32"))
+            .map(|w| w.trim_end_matches(".1/32").to_string())
+            .collect();
+        g.sort();
+        g.dedup();
+        g
+    };
     let (s1, s2) = (subnet(&h1, "n1"), subnet(&h2, "n2"));
-    assert_ne!(s1, s2, "two hosts' trees in one namespace");
+    assert_eq!(gateways(&ns1), vec![s1.clone()], "{}", ns1.addresses());
+    assert_eq!(gateways(&ns2), vec![s2.clone()], "{}", ns2.addresses());
     let m = h1.operation_ok("/v1/vms/n1/move", json!({"to": "h2", "precopy": false}));
     assert!(m["precopy"].is_null(), "asked without: {m}");
     let moved = subnet(&h2, "n1");
     assert_ne!(moved, s2, "a tree of its own on h2");
+    assert!(gateways(&ns1).is_empty(), "{}", ns1.addresses());
+    let mut both = vec![s2.clone(), moved.clone()];
+    both.sort();
+    assert_eq!(gateways(&ns2), both, "{}", ns2.addresses());
     h2.wait_line("n1", 0, |l| l.starts_with("CNT"));
 
     // The tree is one: every host lists the same branches; verify passes
@@ -318,26 +477,22 @@ fn test_a_move_killed_in_its_precopy_round_leaves_the_vm_running() {
     if !kvm_available() {
         return;
     }
-    let s = Servers::start("precopy", 1);
-    let fleet_env = |fault: Option<&str>| {
-        let mut env = s.env.clone();
-        env.push(("TINE_HOST_ID".into(), "h1".into()));
-        env.push(("TINE_HEARTBEAT_MS".into(), "300".into()));
-        if let Some(f) = fault {
-            env.push(("TINE_HOST_FAULT".into(), f.into()));
-        }
-        env
+    let s = World::start("precopy", 1);
+    let ns = s.netns();
+    let fleet_env = |fault: Option<&str>| match fault {
+        Some(f) => host_env(&s, "h1", &[("TINE_HOST_FAULT", f.to_string())]),
+        None => host_env(&s, "h1", &[]),
     };
-    let mut h1 = Tined::start_env("h1", &fleet_env(None), &[]);
+    let mut h1 = host_in(&s, "h1", &[], &ns);
     let h2 = host(&s, "h2", &[]);
     let mut want = written(&h1, "pc", 8, 4);
     for (i, point) in ["precopy:answered", "precopy:stored"].iter().enumerate() {
         h1.kill();
-        h1.start_again_env(&fleet_env(Some(point)));
+        h1.start_again_env_in(&fleet_env(Some(point)), Some(&ns.name));
         let op = h1.post("/v1/vms/pc/move", json!({"to": "h2"})).expect(202);
         assert!(op["id"].is_string(), "{op}");
         assert!(h1.wait_exit().is_some(), "tined did not die at {point}");
-        h1.start_again_env(&fleet_env(None));
+        h1.start_again_env_in(&fleet_env(None), Some(&ns.name));
         assert_eq!(
             h1.get("/v1/vms/pc").expect(200)["state"],
             "running",
@@ -359,7 +514,7 @@ fn test_host_loss_is_seen_and_its_vms_named() {
     if !kvm_available() {
         return;
     }
-    let s = Servers::start("loss", 1);
+    let s = World::start("loss", 1);
     let h1 = host(&s, "h1", &[]);
     let mut h2 = host(&s, "h2", &[]);
     h2.run("c", "micro-counter");
@@ -401,7 +556,7 @@ fn test_a_home_with_its_own_metadata_cannot_collect_a_shared_bucket() {
     if !kvm_available() {
         return;
     }
-    let s = Servers::start("claim", 1);
+    let s = World::start("claim", 1);
     let h1 = host(&s, "h1", &[]);
     written(&h1, "c", 8, 2);
     h1.operation_ok("/v1/vms/c/sleep", json!({}));
@@ -434,7 +589,7 @@ fn test_gc_on_every_host_while_branches_move() {
     if !kvm_available() {
         return;
     }
-    let s = Servers::start("gc", 1);
+    let s = World::start("gc", 1);
     let hs = [
         host(&s, "h1", &[]),
         host(&s, "h2", &[]),
@@ -516,7 +671,7 @@ fn test_one_storage_node_lost_reads_and_writes_go_on() {
     if !kvm_available() {
         return;
     }
-    let s = Servers::start("garage3", 3);
+    let s = World::start("garage3", 3);
     let h1 = host(&s, "h1", &[]);
     let h2 = host(&s, "h2", &[]);
     let want = written(&h1, "n", 8, 4);

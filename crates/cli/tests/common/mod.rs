@@ -731,6 +731,16 @@ impl Home {
     pub fn ls(&self) -> Vec<serde_json::Value> {
         serde_json::from_str(&self.ok(&["ls", "--json"])).expect("json")
     }
+    /// The address a vm with `--net` leased (its record, not `ls`).
+    pub fn lease_ip(&self, vm: &str) -> String {
+        let rec = std::fs::read_to_string(self.0.path().join("vms").join(vm).join("vm.json"))
+            .expect("record");
+        let v: serde_json::Value = serde_json::from_str(&rec).expect("json");
+        v["lease"]["ip"]
+            .as_str()
+            .expect("a vm with --net has a lease")
+            .to_string()
+    }
     /// The vm's own top layer of its first disk.
     pub fn top(&self, vm: &str) -> std::path::PathBuf {
         self.0.path().join("vms").join(vm).join("disk0.qcow2")

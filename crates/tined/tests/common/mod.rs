@@ -484,8 +484,19 @@ impl Tined {
 
     /// tined for a new home with extra environment and arguments.
     pub fn start_env(tag: &str, env: &[(String, String)], args: &[String]) -> Tined {
+        Self::start_env_in(tag, env, args, None)
+    }
+
+    /// [`Self::start_env`] in network namespace `netns` (`ip netns`): a
+    /// fleet's host of its own.
+    pub fn start_env_in(
+        tag: &str,
+        env: &[(String, String)],
+        args: &[String],
+        netns: Option<&str>,
+    ) -> Tined {
         let (dir, home) = temp_home(tag);
-        let child = spawn_env(&home, args, env);
+        let child = spawn_in(&home, args, env, netns);
         let mut t = Tined {
             addr: Addr::Unix(home.join("tined.sock")),
             home,
@@ -621,10 +632,11 @@ impl Tined {
         self.wait_healthy();
     }
 
-    /// [`Self::start_again`] with extra environment (a fleet member's).
-    pub fn start_again_env(&mut self, env: &[(String, String)]) {
+    /// [`Self::start_again`] with extra environment (a fleet member's), in
+    /// network namespace `netns`.
+    pub fn start_again_env_in(&mut self, env: &[(String, String)], netns: Option<&str>) {
         assert!(self.child.is_none(), "tined still runs");
-        self.child = Some(spawn_env(&self.home, &[], env));
+        self.child = Some(spawn_in(&self.home, &[], env, netns));
         self.wait_healthy();
     }
 
@@ -789,6 +801,17 @@ pub fn spawn(home: &Path, args: &[String]) -> Child {
 
 /// [`spawn`] with extra environment (a fleet member's TINE_META, ...).
 pub fn spawn_env(home: &Path, args: &[String], env: &[(String, String)]) -> Child {
+    spawn_in(home, args, env, None)
+}
+
+/// [`spawn_env`] in network namespace `netns` (`ip netns exec` execs
+/// tined, so the child is tined itself).
+pub fn spawn_in(
+    home: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    netns: Option<&str>,
+) -> Child {
     let tined = tined_bin();
     vmm_is_fresh(&tined);
     let log = std::fs::OpenOptions::new()
@@ -796,8 +819,15 @@ pub fn spawn_env(home: &Path, args: &[String], env: &[(String, String)]) -> Chil
         .append(true)
         .open(home.join("tined.log"))
         .expect("tined.log");
-    Command::new(&tined)
-        .arg("--home")
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(&tined);
+            c
+        }
+        None => Command::new(&tined),
+    };
+    cmd.arg("--home")
         .arg(home)
         .args(args)
         .env("TINE_HOME", home)

@@ -4,6 +4,9 @@
 //! when dropped. Shared by the fleet tests of tined and of the CLI (a
 //! `#[path]` module, since tests of two crates cannot share a crate).
 
+// Each test binary uses part of it.
+#![allow(dead_code)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -20,6 +23,12 @@ fn script() -> PathBuf {
 
 impl Servers {
     pub fn start(tag: &str, garage_nodes: u32) -> Servers {
+        Self::start_on(tag, garage_nodes, None)
+    }
+
+    /// [`Self::start`] listening on `listen` (`TINE_SERVERS_LISTEN`), an
+    /// address of this machine; default 127.0.0.1.
+    pub fn start_on(tag: &str, garage_nodes: u32, listen: Option<&str>) -> Servers {
         let dir = std::env::temp_dir().join(format!("tine-fleet-{tag}-{}", std::process::id()));
         let mut s = Servers {
             dir: dir.clone(),
@@ -30,10 +39,11 @@ impl Servers {
             vec!["pg".to_string(), d.clone()],
             vec!["garage".to_string(), d.clone(), garage_nodes.to_string()],
         ] {
-            let out = Command::new(script())
-                .args(&args)
-                .output()
-                .expect("run scripts/servers");
+            let mut cmd = Command::new(script());
+            if let Some(l) = listen {
+                cmd.env("TINE_SERVERS_LISTEN", l);
+            }
+            let out = cmd.args(&args).output().expect("run scripts/servers");
             assert!(
                 out.status.success(),
                 "scripts/servers {args:?} failed (scripts/setup installs PostgreSQL and Garage): {}",
