@@ -255,7 +255,9 @@ pub const PACK_RANGE_MIN: u64 = 8 << 20;
 pub const PACK_STREAMS: u64 = 4;
 pub const PACK_STREAM_MIN: u64 = 32 << 20;
 
-/// What [`Store::fetch_pack`] brought into the cache.
+/// What [`Store::fetch_pack`] brought into the cache: the pack's chunks
+/// (all of them are in the cache after it) and the pack's bytes, less
+/// the ranges not read because their chunks were all cached already.
 #[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct PackFetch {
     pub chunks: u64,
@@ -945,9 +947,29 @@ impl Store {
             groups[g].push((i, *e, at));
             at += u64::from(e.stored_len);
         }
+        // A range whose chunks are all cached already (a move's target
+        // prefetched them, an earlier wake fetched this pack) is not read
+        // again: its chunks are ready now.
+        let mut skipped = 0u64;
+        groups.retain(|g| {
+            let (Some(a), Some(b)) = (g.first(), g.last()) else {
+                return false;
+            };
+            let cached = g
+                .iter()
+                .all(|(_, e, _)| cache.exists(&e.id).unwrap_or(false));
+            if cached {
+                for (_, e, _) in g {
+                    cache.touch(&e.id);
+                    ready(&e.id);
+                }
+                skipped += b.2 + u64::from(b.1.stored_len) - a.2;
+            }
+            !cached
+        });
         let first: Mutex<Option<String>> = Mutex::new(None);
         std::thread::scope(|sc| {
-            for g in groups.iter().filter(|g| !g.is_empty()) {
+            for g in &groups {
                 let first = &first;
                 sc.spawn(move || {
                     let problem = self.stream_pack_part(&pack, g, cache, ready);
@@ -965,7 +987,7 @@ impl Store {
         }
         Ok(Some(PackFetch {
             chunks: entries.len() as u64,
-            stored_bytes: len,
+            stored_bytes: len - skipped,
         }))
     }
 

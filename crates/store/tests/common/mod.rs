@@ -902,6 +902,15 @@ pub fn pack_scenario(o: &dyn Opener, corrupt: &dyn Fn(&Store, &ChunkId)) {
             let got: std::collections::BTreeSet<ChunkId> =
                 cache.list().unwrap().into_iter().collect();
             assert_eq!(got, want);
+            // Again with every chunk cached: only the index is read, and
+            // each chunk is still announced.
+            let again = Mutex::new(Vec::new());
+            let f2 = s
+                .fetch_pack_with(snap, &|c| again.lock().unwrap().push(*c))
+                .unwrap()
+                .expect("a pack");
+            assert!(f2.stored_bytes < len / 2, "{f2:?} of {len}");
+            assert_eq!(again.into_inner().unwrap().len(), arrived.len());
             let s2 = o.open();
             let v = s2.layer(snap, LayerKind::Memory).unwrap();
             let mut buf = vec![0u8; ws];
