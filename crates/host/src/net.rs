@@ -95,32 +95,13 @@ fn prepare(home: &Path) -> crate::Result<()> {
 /// not hand out one address twice). Best effort: an unreadable list
 /// leaves only this home's own leases to go by.
 fn subnets_on_interfaces() -> std::collections::HashSet<u8> {
-    let mut out = std::collections::HashSet::new();
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs writes the head of a list it allocated into
-    // `list`, which is freed below and not used after.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return out;
-    }
-    let mut p = list;
-    while !p.is_null() {
-        // SAFETY: `p` is a node of the list getifaddrs returned, not yet
-        // freed; an AF_INET ifa_addr points at a sockaddr_in.
-        let (addr, next) = unsafe { ((*p).ifa_addr, (*p).ifa_next) };
-        // SAFETY: as above; `addr` is checked for null first.
-        if !addr.is_null() && i32::from(unsafe { (*addr).sa_family }) == libc::AF_INET {
-            // SAFETY: an AF_INET address is a sockaddr_in (see above).
-            let sin = unsafe { *(addr as *const libc::sockaddr_in) };
-            let o = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)).octets();
-            if o[0] == POOL[0] && o[1] == POOL[1] && o[3] == 1 {
-                out.insert(o[2]);
-            }
-        }
-        p = next;
-    }
-    // SAFETY: the list getifaddrs allocated, freed once.
-    unsafe { libc::freeifaddrs(list) };
-    out
+    let Ok(list) = nix::ifaddrs::getifaddrs() else {
+        return Default::default();
+    };
+    list.filter_map(|i| Some(i.address?.as_sockaddr_in()?.ip().octets()))
+        .filter(|o| o[0] == POOL[0] && o[1] == POOL[1] && o[3] == 1)
+        .map(|o| o[2])
+        .collect()
 }
 
 /// A new tree's first address: `.2` of a /24 no other tree uses, in this

@@ -152,20 +152,18 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         }
     };
     let t0 = Instant::now();
-    let (vm_name, staged) = (name.to_string(), staging.clone());
-    let mut intent = Intent::begin(
-        &h.home,
-        match round {
-            Round::Sleep => Op::Sleep {
-                vm: vm_name,
-                staging: staged,
-            },
-            Round::Precopy => Op::Precopy {
-                vm: vm_name,
-                staging: staged,
-            },
+    let (vm_name, staging_dir) = (name.to_string(), staging.clone());
+    let op = match round {
+        Round::Sleep => Op::Sleep {
+            vm: vm_name,
+            staging: staging_dir,
         },
-    )?;
+        Round::Precopy => Op::Precopy {
+            vm: vm_name,
+            staging: staging_dir,
+        },
+    };
+    let mut intent = Intent::begin(&h.home, op)?;
 
     // The moment: quiesced, recorded by the effects gateway (the branch's
     // effects up to here are its wakers' past), written to the staging
@@ -922,7 +920,6 @@ fn dir_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// Checks every chunk of the store: present, decompresses, hashes to its name.
 /// What `prefetch` brought into this host's chunk cache.
 #[derive(Debug, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -955,6 +952,7 @@ pub fn prefetch(h: &Host, id: i64, bar: &dyn Progress) -> crate::Result<Prefetch
     })
 }
 
+/// Checks every chunk of the store: present, decompresses, hashes to its name.
 pub fn verify(h: &Host, bar: &dyn Progress) -> crate::Result<store::VerifyReport> {
     Ok(open(h)?.verify(bar)?)
 }
