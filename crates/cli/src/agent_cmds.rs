@@ -189,8 +189,7 @@ pub fn contract(c: &Client, cmd: ContractCommand) -> anyhow::Result<ExitCode> {
             print!("{}", b["toml"].as_str().unwrap_or_default());
         }
         ContractCommand::Set { name, file } => {
-            let toml = std::fs::read_to_string(&file)
-                .with_context(|| format!("cannot read the contract {}", file.display()))?;
+            let toml = crate::verbs::read_contract(Some(&file))?.unwrap_or_default();
             let _: serde_json::Value = c
                 .call(
                     Method::PUT,
@@ -227,6 +226,11 @@ pub fn secret(c: &Client, cmd: SecretCommand) -> anyhow::Result<ExitCode> {
                         .read_to_end(&mut value)
                         .context("cannot read the secret from stdin")?;
                 }
+            }
+            // The owner of this host names a host command: it joins the
+            // host's allow-list (host::providers).
+            if let Some(p) = &provider {
+                host::providers::allow(&crate::home()?, p)?;
             }
             let body = serde_json::json!({
                 "path": path,

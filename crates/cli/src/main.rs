@@ -271,6 +271,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    host::state::private_umask();
     let cli = Cli::parse();
     if let Command::Vmm { args } = &cli.command {
         return verbs::exec_vmm(args);
@@ -299,7 +300,9 @@ fn main() -> ExitCode {
 
 /// `$TINE_HOME`, or `~/.cache/tine`.
 pub fn home() -> anyhow::Result<PathBuf> {
-    Ok(image::default_home()?)
+    let home = image::default_home()?;
+    host::state::close_home(&home)?;
+    Ok(home)
 }
 
 /// The error and its sources on one line.

@@ -119,13 +119,17 @@ pub fn absolute(p: &Path) -> anyhow::Result<PathBuf> {
     })
 }
 
-/// A contract file's text.
-fn read_contract(f: Option<&Path>) -> anyhow::Result<Option<String>> {
-    f.map(|f| {
-        std::fs::read_to_string(f)
-            .with_context(|| format!("cannot read the contract {}", f.display()))
-    })
-    .transpose()
+/// A contract file's text. The rotate providers it names join this
+/// host's allow-list: the user of this command is the host's owner.
+pub(crate) fn read_contract(f: Option<&Path>) -> anyhow::Result<Option<String>> {
+    let Some(f) = f else { return Ok(None) };
+    let text = std::fs::read_to_string(f)
+        .with_context(|| format!("cannot read the contract {}", f.display()))?;
+    // A contract that does not parse is refused by tined with the reason.
+    if let Ok(c) = contract::Contract::parse(&text) {
+        host::providers::allow_contract(&crate::home()?, &c)?;
+    }
+    Ok(Some(text))
 }
 
 /// `tine effects NAME [--json]` or `tine effects resolve NAME KEY --resend|--fail`.

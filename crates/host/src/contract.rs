@@ -34,6 +34,7 @@ pub fn set(h: &Host, name: &str, toml: &str) -> crate::Result<String> {
     let _lock = crate::lock::acquire(&h.home, name, crate::lock::DEFAULT_WAIT)?;
     let vm = existing(h, name)?;
     let c = crate::fork::effective_contract(&vm, Some(toml))?;
+    crate::providers::check(&h.home, &c)?;
     vm.write_contract(&c)?;
     Ok(c.to_toml())
 }
@@ -122,6 +123,7 @@ pub fn add_secret(
     );
     // Checked before anything is written.
     c.validate()?;
+    crate::providers::check(&h.home, &c)?;
     if value.is_empty() {
         return Err(Error::invalid(format!(
             "the secret {secret:?} is empty: give its value"

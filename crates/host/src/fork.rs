@@ -220,6 +220,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         contract::Egress::Deny => Some(contract.allow_rules()?),
     };
     let dirs: Vec<VmDir> = names.iter().map(|n| VmDir::new(&h.home, n)).collect();
+    crate::providers::check(&h.home, &contract)?;
     let rotated = names
         .iter()
         .map(|n| wake::rotate_values(&contract, n, name))

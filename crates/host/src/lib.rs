@@ -26,6 +26,7 @@ pub mod layers;
 pub mod lock;
 pub mod net;
 pub mod proc;
+pub mod providers;
 pub mod reconcile;
 pub mod settle;
 pub use vmm::size;

@@ -276,6 +276,37 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> crate::Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Makes `home` (created if missing) reachable by its owner only: guest
+/// memory, disks, sockets that exec in guests and the effects journal
+/// live under it. Files in it are 0600 by the processes' umask
+/// ([`private_umask`]).
+pub fn close_home(home: &Path) -> crate::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::create_dir_all(home).with_context(|| format!("cannot create {}", home.display()))?;
+    let meta = std::fs::metadata(home).with_context(|| format!("cannot read {}", home.display()))?;
+    if meta.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(crate::Error::invalid(format!(
+            "{} belongs to uid {}, not to this user: tine keeps guest memory and keys there, so it uses only a directory of its own (set TINE_HOME)",
+            home.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(home, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot make {} private", home.display()))?;
+    }
+    Ok(())
+}
+
+/// Every file and socket this process creates is its user's alone (0600,
+/// directories 0700), whatever umask it was started with.
+pub fn private_umask() {
+    // SAFETY: umask(2) only changes this process's file mode mask.
+    unsafe {
+        libc::umask(0o077);
+    }
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()

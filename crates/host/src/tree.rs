@@ -1223,10 +1223,11 @@ fn materialize(
     if let Some(l) = store.blob(id, gateway::SNAPSHOT_LINEAGE)? {
         std::fs::write(tmp.join(gateway::SNAPSHOT_LINEAGE), l)?;
     }
-    std::fs::write(
-        tmp.join(snapshot_dir::MANIFEST),
-        serde_json::to_vec_pretty(&manifest)?,
-    )?;
+    // The stored manifest as the VMM sealed it, checked, then re-sealed
+    // with this host's disk paths.
+    std::fs::write(tmp.join(snapshot_dir::MANIFEST), info.manifest.as_bytes())?;
+    snapshot_dir::reseal(&tmp, &manifest)
+        .with_context(|| format!("snapshot {id}'s state does not verify"))?;
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another wake of the same snapshot got there first.

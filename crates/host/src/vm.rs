@@ -188,6 +188,7 @@ fn plan(h: &Host, spec: &RunSpec) -> crate::Result<Plan> {
             let (m, _) = vmm::snapshot_dir::load(dir)?;
             let kvm = std::env::var_os("TINE_KVM_DEVICE").unwrap_or_else(|| "/dev/kvm".into());
             vmm::snapshot_dir::check_host(dir, &m, Path::new(&kvm))?;
+            confine_disks(&h.home, dir, &m)?;
             Some(m)
         }
         None => None,
@@ -270,6 +271,11 @@ fn plan(h: &Host, spec: &RunSpec) -> crate::Result<Plan> {
             None => own,
         }
     };
+    // A restore runs its contract's rotate providers: only those this
+    // host's owner allowed.
+    if manifest.is_some() {
+        crate::providers::check(&h.home, &contract)?;
+    }
     let lineage = spec
         .from
         .as_deref()
@@ -295,6 +301,28 @@ fn plan(h: &Host, spec: &RunSpec) -> crate::Result<Plan> {
         image_shown,
         parent,
     })
+}
+
+/// A snapshot's disks must be files tine made: frozen layers and store
+/// copies under `$TINE_HOME`. A manifest moves between hosts and is
+/// untrusted, and a path in it must not make a host file (`/etc/shadow`)
+/// a guest's disk.
+fn confine_disks(home: &Path, dir: &Path, m: &vmm::snapshot_dir::Manifest) -> crate::Result<()> {
+    let root = std::fs::canonicalize(home)
+        .with_context(|| format!("cannot resolve {}", home.display()))?;
+    for (i, d) in m.disks.iter().enumerate() {
+        let inside = std::fs::canonicalize(&d.path)
+            .is_ok_and(|p| p.starts_with(&root) && p.is_file());
+        if !inside {
+            return Err(Error::invalid(format!(
+                "the snapshot in {} names disk {i} at {}, which is not a disk file under {}: a snapshot's disks are frozen layers tine made there; take the snapshot again on this host, or wake it from the store",
+                dir.display(),
+                d.path.display(),
+                root.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The command line the VMM uses for a bare `--kernel` (a serial console).

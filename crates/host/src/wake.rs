@@ -183,6 +183,8 @@ pub fn mac_text(mac: &[u8; 6]) -> String {
 
 /// Runs every `rotate` secret's provider for copy `branch` of `parent`,
 /// before anything is paused: a failing provider stops the fork cleanly.
+/// The caller has checked the providers against the host's allow-list
+/// ([`crate::providers::check`]).
 pub fn rotate_values(
     c: &Contract,
     branch: &str,

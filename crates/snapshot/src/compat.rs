@@ -72,7 +72,7 @@ pub struct Compat {
     /// The tine that wrote the snapshot.
     pub tine_version: String,
     /// [`crate::FORMAT_VERSION`] of that tine.
-    pub format_version: u32,
+    pub format_version: crate::Version,
     /// `uname -r` of the host that took it (informational).
     pub host_kernel: String,
     /// CPUID leaf 0 vendor string the guest saw ("GenuineIntel").
@@ -102,8 +102,8 @@ pub struct Compat {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostCompat {
     pub tine_version: String,
-    /// The state format this tine reads.
-    pub format_version: u32,
+    /// The state format this tine reads (and older minors of its major).
+    pub format_version: crate::Version,
     /// `uname -r`.
     pub kernel: String,
     /// CPUID leaf 0 vendor string.
@@ -169,9 +169,9 @@ impl fmt::Display for CpuidBit {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub enum Mismatch {
     FormatVersion {
-        snapshot: u32,
+        snapshot: crate::Version,
         snapshot_tine: String,
-        host: u32,
+        host: crate::Version,
         host_tine: String,
     },
     Vendor {
@@ -542,7 +542,7 @@ pub fn check_restore(
     request: &RestoreRequest,
 ) -> Result<(), CompatError> {
     let mut out = Vec::new();
-    if saved.format_version != host.format_version {
+    if !host.format_version.reads(saved.format_version) {
         out.push(Mismatch::FormatVersion {
             snapshot: saved.format_version,
             snapshot_tine: saved.tine_version.clone(),

@@ -107,9 +107,17 @@ fn test_same_host_passes() {
 }
 
 #[test]
-fn test_format_version_must_equal() {
+fn test_format_version_follows_the_read_rule() {
     let (mut saved, host) = pair();
-    saved.format_version = snapshot::FORMAT_VERSION + 1;
+    let v = snapshot::FORMAT_VERSION;
+    // An older minor of the same major is read.
+    if v.minor > 0 {
+        saved.format_version = snapshot::Version::new(v.major, v.minor - 1);
+        check(&saved, &host).expect("older minor");
+    }
+    saved.format_version = snapshot::Version::new(v.major - 1, v.minor);
+    assert!(check(&saved, &host).is_err(), "an older major is refused");
+    saved.format_version = snapshot::Version::new(v.major, v.minor + 1);
     saved.tine_version = "9.9.9".into();
     let m = mismatches(&saved, &host);
     assert!(
@@ -298,7 +306,7 @@ fn test_request_compared_only_when_given() {
 #[test]
 fn test_several_mismatches_are_all_named() {
     let (mut saved, mut host) = pair();
-    saved.format_version += 1;
+    saved.format_version.minor += 1;
     host.cpu_vendor = "AuthenticAMD".into();
     clear_bit(&mut host.cpuid, 0x7, 0, Ebx, 5); // avx2
     clear_bit(&mut host.cpuid, 0x1, 0, Ecx, 30); // rdrand

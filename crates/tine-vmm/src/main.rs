@@ -27,6 +27,11 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    // Guest memory, sockets and logs are the vm's owner's alone.
+    // SAFETY: umask(2) only changes this process's file mode mask.
+    unsafe {
+        libc::umask(0o077);
+    }
     let cli = Cli::parse();
     match args::run(*cli.args) {
         Ok(code) => code,

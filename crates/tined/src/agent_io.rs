@@ -863,6 +863,23 @@ pub async fn console(
                     let running = host::vm::console_log(&st.host, &name)
                         .map(|(_, r)| r)
                         .unwrap_or(false);
+                    // The VMM rotated the log at its cap (console.log ->
+                    // console.log.1): go on with the new file.
+                    if q.follow && rotated(&f, &path) {
+                        // What the old file got before it was renamed.
+                        while let Ok(n) = f.read(&mut buf) {
+                            if n == 0 || tx.blocking_send(Bytes::copy_from_slice(&buf[..n])).is_err() {
+                                break;
+                            }
+                        }
+                        match std::fs::File::open(&path) {
+                            Ok(new) => {
+                                f = new;
+                                continue;
+                            }
+                            Err(_) => return,
+                        }
+                    }
                     if !q.follow || !running || tx.is_closed() {
                         // One more read catches what was written just before the end.
                         if let Ok(n) = f.read(&mut buf) {
@@ -895,6 +912,15 @@ pub async fn console(
         Body::from_stream(body),
     )
         .into_response())
+}
+
+/// Whether `path` names another file than `f` now (a rotated log).
+fn rotated(f: &std::fs::File, path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (f.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.ino() != b.ino() || a.dev() != b.dev(),
+        _ => false,
+    }
 }
 
 /// Writes to a file, seen through inotify: a follower of a console log

@@ -69,6 +69,7 @@ enum Sub {
 }
 
 fn main() -> std::process::ExitCode {
+    host::state::private_umask();
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("TINE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -165,7 +166,7 @@ fn daemon(
         Some(h) => h,
         None => image::default_home()?,
     };
-    std::fs::create_dir_all(&home).with_context(|| format!("cannot create {}", home.display()))?;
+    host::state::close_home(&home)?;
     let home = std::fs::canonicalize(&home)?;
     // One tined per home, for as long as this process lives.
     let lock_path = home.join("tined.lock");

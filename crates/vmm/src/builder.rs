@@ -1,7 +1,6 @@
 //! Builds a vm from its configuration: KVM VM, memory, kernel, devices, vCPUs.
 //! Read top-down, [`build`] is the boot path.
 
-use std::fs::OpenOptions;
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
@@ -304,18 +303,14 @@ fn legacy_devices(
     exit: &Arc<ExitNotifier>,
     saved: Option<&SerialState>,
 ) -> Result<(Bus, Arc<Mutex<SerialDevice>>), BuildError> {
-    let log = match &config.console_log {
-        Some(path) => Some(
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_err(|source| BuildError::ConsoleLog {
-                    path: path.clone(),
-                    source,
-                })?,
-        ),
-        None => None,
+    let out = match &config.console_log {
+        Some(path) => ConsoleOutput::with_log_path(path, config.console_stdout).map_err(
+            |source| BuildError::ConsoleLog {
+                path: path.clone(),
+                source,
+            },
+        )?,
+        None => ConsoleOutput::new(None, config.console_stdout),
     };
     let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     vm.fd()
@@ -324,7 +319,6 @@ fn legacy_devices(
             gsi: layout::SERIAL_GSI,
             source,
         })?;
-    let out = ConsoleOutput::new(log, config.console_stdout);
     let serial = match saved {
         Some(state) => SerialDevice::restore((irq, out), state)?,
         None => SerialDevice::new(irq, out),

@@ -197,6 +197,7 @@ fn populated(base: *mut u8, len: usize) -> Result<Vec<bool>, LayerError> {
 
 /// What [`write()`] wrote.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LayerInfo {
     /// The base a diff layer applies to (None: a full layer).
     pub base: Option<String>,

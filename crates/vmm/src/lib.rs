@@ -14,6 +14,7 @@
 //! [`pagein::PageSource`].
 
 pub mod api;
+pub mod api_socket;
 pub mod arch;
 pub mod builder;
 pub mod compat;

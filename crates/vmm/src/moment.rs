@@ -13,6 +13,7 @@ use crate::state::MachineState;
 
 /// A paused vm's CPU, VM-level and device state.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Moment {
     pub machine: MachineState,
     pub devices: DeviceStates,
@@ -40,6 +41,7 @@ pub fn ram_regions(mem_mib: u64) -> Vec<(GuestAddress, usize)> {
 /// The guest-visible device layout: virtio slots are disks, then nets,
 /// then the vsock, so counts say everything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceLayout {
     pub disks: usize,
     pub nets: usize,

@@ -34,6 +34,7 @@ pub trait Persist: Sized {
 /// host side is new each time (the i8042 and the ACPI PM device only cause
 /// exits; the generation id lives in guest memory).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NoState {}
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! [`serve`] is the main loop of every VMM process, whether it booted the
 //! vm, was forked from another, or restored a snapshot directory.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -144,14 +144,7 @@ fn bind(path: &Path) -> Result<UnixListener, ServeError> {
     })
 }
 
-/// Reads one request line.
-fn read_request(conn: &UnixStream) -> Result<Request, String> {
-    let mut line = String::new();
-    BufReader::new(conn)
-        .read_line(&mut line)
-        .map_err(|e| format!("cannot read the request: {e}"))?;
-    serde_json::from_str(&line).map_err(|e| format!("bad request: {e}"))
-}
+use crate::api_socket::read_request;
 
 fn send(mut conn: &UnixStream, reply: &Reply) {
     if let Ok(mut bytes) = serde_json::to_vec(reply) {
@@ -170,13 +163,17 @@ fn wait_closed(conn: &UnixStream) {
 }
 
 fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOptions) {
-    for conn in listener.incoming() {
-        let Ok(conn) = conn else {
-            // Out of fds (EMFILE) repeats at once: do not spin on it.
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
-        };
-        let req = match read_request(&conn) {
+    let requests = match crate::api_socket::requests(listener) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!("cannot serve the control socket: {e}");
+            return;
+        }
+    };
+    // Requests are carried out one at a time, in this thread (the one
+    // that forks), whatever number of clients are connected.
+    for (conn, req) in requests {
+        let req = match req {
             Ok(r) => r,
             Err(e) => {
                 send(&conn, &Reply::error(e));

@@ -22,13 +22,17 @@ pub const STATE: &str = "state";
 /// [`write_layer`].
 pub const MEMORY_LAYER: &str = "memory.layer";
 
-/// What a snapshot needs to be restored.
+/// What a snapshot needs to be restored. Untrusted on the way in (it
+/// moves between hosts): [`load`] checks its version first, refuses
+/// unknown fields, checks it against the state's seal (the state's
+/// envelope binds the manifest's bytes) and against this host.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Manifest {
     /// tine that wrote it.
     pub tine_version: String,
-    /// State format of `state` (tine-snapshot).
-    pub format_version: u32,
+    /// State format of `state` (tine-snapshot), "major.minor".
+    pub format_version: snapshot::Version,
     pub name: String,
     pub created_ms: u64,
     pub mem_mib: u64,
@@ -56,6 +60,7 @@ pub struct Manifest {
 
 /// A disk of a snapshot.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SnapshotDisk {
     pub path: PathBuf,
     /// A frozen layer (true) or a read-only base (false).
@@ -101,6 +106,17 @@ pub enum SnapshotDirError {
     Base { want: String, found: Option<String> },
     #[error("Cannot read this host's KVM capabilities")]
     Host(#[from] crate::compat::CompatCollectError),
+    #[error("{path} is snapshot format {found}; this tine reads {} and older minor versions of {}.x: restore it with a tine that reads it", snapshot::FORMAT_VERSION, snapshot::FORMAT_VERSION.major)]
+    Version {
+        path: PathBuf,
+        found: snapshot::Version,
+    },
+    #[error("{path}: the snapshot asks for {what}; {limit}")]
+    Machine {
+        path: PathBuf,
+        what: String,
+        limit: String,
+    },
     #[error("{dir} cannot be restored on this host:\n{source}")]
     Incompatible {
         dir: PathBuf,
@@ -199,13 +215,6 @@ fn finish(
     written: u64,
     memory_layer: Option<crate::layer::LayerInfo>,
 ) -> Result<(), SnapshotDirError> {
-    let state_path = dir.join(STATE);
-    let bytes = snapshot::encode(&parts.moment).map_err(|source| SnapshotDirError::State {
-        path: state_path.clone(),
-        source,
-    })?;
-    write_synced(&state_path, &bytes)?;
-
     let config = &parts.config;
     let host = crate::compat::host_compat(&config.kvm_device)?;
     let mut compat = crate::compat::snapshot_compat(
@@ -251,10 +260,26 @@ fn finish(
         contract: contract.map(str::to_owned),
         memory_layer,
     };
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| SnapshotDirError::Manifest {
+    write_sealed(dir, &manifest, &parts.moment)
+}
+
+/// Writes `state` sealed to `manifest`'s bytes (and this host's key, if
+/// one is configured), then `manifest.json` (last: it makes the directory
+/// a snapshot).
+fn write_sealed(dir: &Path, manifest: &Manifest, moment: &Moment) -> Result<(), SnapshotDirError> {
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| SnapshotDirError::Manifest {
         path: dir.join(MANIFEST),
         source: e,
     })?;
+    let state_path = dir.join(STATE);
+    let state_err = |source| SnapshotDirError::State {
+        path: state_path.clone(),
+        source,
+    };
+    let key = snapshot::Key::from_env().map_err(state_err)?;
+    let seal = snapshot::Seal::of_manifest(&json, key.as_ref());
+    let bytes = snapshot::encode_sealed(moment, &seal).map_err(state_err)?;
+    write_synced(&state_path, &bytes)?;
     let tmp = dir.join("manifest.json.tmp");
     write_synced(&tmp, &json)?;
     let path = dir.join(MANIFEST);
@@ -263,6 +288,16 @@ fn finish(
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Rewrites a snapshot directory's manifest as `manifest` (the host
+/// changed where its disks are, say) and seals its state anew to it. The
+/// state is checked against the old manifest first, so a directory that
+/// did not verify is never re-sealed.
+pub fn reseal(dir: &Path, manifest: &Manifest) -> Result<(), SnapshotDirError> {
+    let (_, moment) = load_unchecked_memory(dir)?;
+    let _ = fs::remove_file(dir.join(MANIFEST));
+    write_sealed(dir, manifest, &moment)
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), SnapshotDirError> {
@@ -307,27 +342,13 @@ fn write_region(file: &File, base: *mut u8, len: usize, offset: u64) -> std::io:
     Ok(written)
 }
 
-/// Reads and checks a snapshot directory's manifest and state.
+/// Reads and checks a snapshot directory's manifest and state: the
+/// manifest's version (first, so an old or new format is named rather
+/// than misparsed), its fields, the state's seal (which binds the
+/// manifest), the machine it asks for against this host's limits, and the
+/// memory file's size.
 pub fn load(dir: &Path) -> Result<(Manifest, Moment), SnapshotDirError> {
-    let path = dir.join(MANIFEST);
-    let text = match fs::read(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(SnapshotDirError::NotASnapshot(dir.into()))
-        }
-        Err(e) => return Err(io(&path)(e)),
-    };
-    let manifest: Manifest =
-        serde_json::from_slice(&text).map_err(|source| SnapshotDirError::Manifest {
-            path: path.clone(),
-            source,
-        })?;
-    let state_path = dir.join(STATE);
-    let bytes = fs::read(&state_path).map_err(io(&state_path))?;
-    let moment: Moment = snapshot::decode(&bytes).map_err(|source| SnapshotDirError::State {
-        path: state_path,
-        source,
-    })?;
+    let (manifest, moment) = load_unchecked_memory(dir)?;
     let mem_path = dir.join(MEMORY);
     let found = fs::metadata(&mem_path).map_err(io(&mem_path))?.len();
     let want: u64 = moment.ram_regions().iter().map(|r| r.1 as u64).sum();
@@ -338,13 +359,114 @@ pub fn load(dir: &Path) -> Result<(Manifest, Moment), SnapshotDirError> {
             want,
         });
     }
-    if moment.mem_mib != manifest.mem_mib || moment.layout != manifest.layout {
+    Ok((manifest, moment))
+}
+
+/// [`load`] without the memory file (a directory for the store holds a
+/// memory layer instead).
+fn load_unchecked_memory(dir: &Path) -> Result<(Manifest, Moment), SnapshotDirError> {
+    let path = dir.join(MANIFEST);
+    let text = match fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(SnapshotDirError::NotASnapshot(dir.into()))
+        }
+        Err(e) => return Err(io(&path)(e)),
+    };
+    let manifest = parse_manifest(&path, &text)?;
+    let state_path = dir.join(STATE);
+    let bytes = fs::read(&state_path).map_err(io(&state_path))?;
+    let state_err = |source| SnapshotDirError::State {
+        path: state_path.clone(),
+        source,
+    };
+    let key = snapshot::Key::from_env().map_err(state_err)?;
+    let seal = snapshot::Seal::of_manifest(&text, key.as_ref());
+    let moment: Moment = snapshot::decode_sealed(&bytes, &seal).map_err(state_err)?;
+    if moment.mem_mib != manifest.mem_mib
+        || moment.layout != manifest.layout
+        || moment.machine.vcpus.len() != manifest.vcpus
+    {
         return Err(SnapshotDirError::Mismatch(format!(
-            "manifest says {} MiB and {}, state says {} MiB and {}",
-            manifest.mem_mib, manifest.layout, moment.mem_mib, moment.layout
+            "manifest says {} MiB, {} vCPU(s) and {}, state says {} MiB, {} vCPU(s) and {}",
+            manifest.mem_mib,
+            manifest.vcpus,
+            manifest.layout,
+            moment.mem_mib,
+            moment.machine.vcpus.len(),
+            moment.layout
         )));
     }
     Ok((manifest, moment))
+}
+
+/// Parses a manifest: its format version first, then the rest (unknown
+/// fields refused), then the machine it asks for against this host.
+pub fn parse_manifest(path: &Path, text: &[u8]) -> Result<Manifest, SnapshotDirError> {
+    #[derive(Deserialize)]
+    struct Head {
+        format_version: Option<snapshot::Version>,
+    }
+    let bad = |source| SnapshotDirError::Manifest {
+        path: path.into(),
+        source,
+    };
+    let head: Head = serde_json::from_slice(text).map_err(bad)?;
+    if let Some(found) = head.format_version {
+        if !snapshot::FORMAT_VERSION.reads(found) {
+            return Err(SnapshotDirError::Version {
+                path: path.into(),
+                found,
+            });
+        }
+    }
+    let manifest: Manifest = serde_json::from_slice(text).map_err(bad)?;
+    check_machine(path, &manifest)?;
+    Ok(manifest)
+}
+
+/// The machine a manifest asks for, against the limits a boot applies
+/// ([`crate::VmConfig::validate`]) and this host's memory.
+fn check_machine(path: &Path, m: &Manifest) -> Result<(), SnapshotDirError> {
+    use crate::config::{ConfigError, MAX_VCPUS};
+    let machine = |what: String, limit: String| SnapshotDirError::Machine {
+        path: path.into(),
+        what,
+        limit,
+    };
+    let vcpus = u8::try_from(m.vcpus)
+        .ok()
+        .filter(|&n| n >= 1 && n <= MAX_VCPUS)
+        .ok_or_else(|| {
+            machine(
+                format!("{} vCPUs", m.vcpus),
+                format!("tine runs 1 to {MAX_VCPUS}"),
+            )
+        })?;
+    let config = crate::VmConfig {
+        mem_mib: m.mem_mib,
+        vcpus,
+        ..crate::VmConfig::default()
+    };
+    match config.validate() {
+        Ok(()) | Err(ConfigError::KernelMissing(_)) => {}
+        Err(e) => return Err(machine(format!("{} MiB of memory", m.mem_mib), e.to_string())),
+    }
+    if m.disks.len() + usize::from(m.vsock_cid.is_some()) > 16 {
+        return Err(machine(
+            format!("{} disks", m.disks.len()),
+            "a vm has at most 16 devices".into(),
+        ));
+    }
+    if let Some(cid) = m.vsock_cid {
+        if cid <= 2 || cid > u64::from(u32::MAX) {
+            return Err(machine(
+                format!("vsock CID {cid}"),
+                "a guest CID is 3 to 2^32-1".into(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks that this host can run the snapshot (the compatibility set in

@@ -13,6 +13,7 @@ use kvm_bindings::{
 /// x86_64 `VcpuState` keeps). Restored by [`crate::vcpu::Vcpu::restore_state`]
 /// in the order documented there.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VcpuState {
     /// The vCPU index (its APIC id).
     pub index: u8,
@@ -42,6 +43,7 @@ pub struct VcpuState {
 /// The XSAVE area as KVM_GET_XSAVE2 returns it: the 4 KiB legacy region
 /// and the dynamic tail (empty unless the host has larger features, AMX).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct XsaveState {
     /// 1024 words.
     pub region: Vec<u32>,
@@ -50,6 +52,7 @@ pub struct XsaveState {
 
 /// `kvm_fpu` mirrored as plain data (kvm-bindings has no serde for it).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FpuState {
     pub fpr: [[u8; 16]; 8],
     pub fcw: u16,
@@ -103,6 +106,7 @@ impl From<&FpuState> for kvm_fpu {
 /// for `secure`). `flags`, `realtime` and `host_tsc` are kept as KVM
 /// reported them, for information only; restore ignores them.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VmState {
     pub pic_master: kvm_irqchip,
     pub pic_slave: kvm_irqchip,
@@ -114,6 +118,7 @@ pub struct VmState {
 /// Everything KVM holds for a paused vm: every vCPU and the VM-level state.
 /// Device state (serial, virtio) is saved by the devices themselves.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MachineState {
     /// One entry per vCPU, in index order.
     pub vcpus: Vec<VcpuState>,

@@ -125,6 +125,7 @@ impl Persist for MmioTransport {
 /// The state of every device of a vm. The i8042, the ACPI PM device and
 /// the generation id device hold nothing ([`NoState`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceStates {
     pub serial: SerialState,
     /// One per virtio-mmio slot, in slot order.

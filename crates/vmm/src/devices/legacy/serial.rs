@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 
 use vm_superio::serial::NoEvents;
 use vm_superio::{Serial, Trigger};
@@ -29,14 +30,79 @@ impl Trigger for IrqFdTrigger {
 /// Where guest console output goes.
 #[derive(Debug, Default)]
 pub struct ConsoleOutput {
-    log: Option<File>,
+    log: Option<ConsoleLog>,
     stdout: bool,
+}
+
+/// The console log file: the guest writes it, so it is capped. At
+/// [`ConsoleLog::CAP`] bytes it is renamed to `NAME.1` (replacing the
+/// previous one) and a new file begins, so a vm's console costs at most
+/// twice the cap on disk however much the guest prints.
+#[derive(Debug)]
+struct ConsoleLog {
+    file: File,
+    /// Where to rotate it (None: a file given without a path; capped by
+    /// dropping what is past the cap).
+    path: Option<PathBuf>,
+    size: u64,
+}
+
+impl ConsoleLog {
+    const CAP: u64 = 256 << 10;
+
+    fn write(&mut self, buf: &[u8]) {
+        if self.size + buf.len() as u64 > Self::CAP {
+            let Some(path) = &self.path else { return };
+            let mut old = path.clone().into_os_string();
+            old.push(".1");
+            let reopened = std::fs::rename(path, &old).and_then(|()| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .truncate(true)
+                    .open(path)
+            });
+            match reopened {
+                Ok(f) => {
+                    self.file = f;
+                    self.size = 0;
+                }
+                // The cap holds: nothing more is written.
+                Err(_) => return,
+            }
+        }
+        if self.file.write_all(buf).is_ok() {
+            self.size += buf.len() as u64;
+        }
+    }
 }
 
 impl ConsoleOutput {
     /// Output to an optional log file and, if `stdout`, the VMM's stdout.
     pub fn new(log: Option<File>, stdout: bool) -> Self {
+        let log = log.map(|file| ConsoleLog {
+            size: file.metadata().map(|m| m.len()).unwrap_or(0),
+            file,
+            path: None,
+        });
         Self { log, stdout }
+    }
+
+    /// Output to the log file at `path` (appended to; rotated at the cap)
+    /// and, if `stdout`, the VMM's stdout.
+    pub fn with_log_path(path: &Path, stdout: bool) -> io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Self {
+            log: Some(ConsoleLog {
+                size: file.metadata()?.len(),
+                file,
+                path: Some(path.to_path_buf()),
+            }),
+            stdout,
+        })
     }
 }
 
@@ -45,7 +111,7 @@ impl Write for ConsoleOutput {
         // Console output is best effort: a full disk or closed stdout must not
         // stop the guest, so errors are dropped here.
         if let Some(log) = self.log.as_mut() {
-            let _ = log.write_all(buf);
+            log.write(buf);
         }
         if self.stdout {
             let mut out = io::stdout().lock();
@@ -126,6 +192,7 @@ pub enum SerialError {
 
 /// Saved UART registers, as plain serde data.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SerialState {
     pub baud_divisor_low: u8,
     pub baud_divisor_high: u8,

@@ -96,6 +96,25 @@ impl DeviceBase {
     }
 
     /// Logs a guest mistake, within the device's warning budget.
+    /// The next descriptor chain of `queue`, like virtio-queue's
+    /// `pop_descriptor_chain`, whose error (a driver's avail index past
+    /// the ring) it logs through the bounded warnings rather than once
+    /// per notification.
+    pub fn pop_chain<'m>(
+        &mut self,
+        queue: &mut virtio_queue::Queue,
+        mem: &'m GuestMemoryMmap,
+    ) -> Option<virtio_queue::DescriptorChain<&'m GuestMemoryMmap>> {
+        use virtio_queue::QueueOwnedT;
+        match queue.iter(mem) {
+            Ok(mut it) => it.next(),
+            Err(e) => {
+                self.warn(format_args!("the driver's queue is broken: {e}"));
+                None
+            }
+        }
+    }
+
     pub fn warn(&mut self, args: std::fmt::Arguments<'_>) {
         self.warnings.warn(self.name, args);
     }

@@ -85,6 +85,7 @@ pub enum MmioError {
 
 /// Registers of one queue, as saved in [`MmioState`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct QueueRegs {
     pub max_size: u16,
     pub size: u16,
@@ -131,6 +132,7 @@ impl From<&QueueRegs> for QueueState {
 
 /// The transport's register state (device state is saved separately).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MmioState {
     /// virtio device type behind the transport (checked on restore).
     pub device_type: u32,
@@ -298,6 +300,14 @@ impl MmioTransport {
             }
             let restored = Queue::try_from(QueueState::from(regs))
                 .map_err(|e| MmioError::State(format!("queue {i}: {e}")))?;
+            // A saved state is untrusted input: a ready queue's rings must
+            // lie inside guest memory, as the driver's own setup is checked.
+            if restored.ready() && !restored.is_valid(&self.mem) {
+                return Err(MmioError::State(format!(
+                    "queue {i}'s rings (descriptors {:#x}, driver {:#x}, device {:#x}, size {}) are not inside guest memory",
+                    regs.desc_table, regs.avail_ring, regs.used_ring, regs.size
+                )));
+            }
             queues.push(restored);
         }
         self.queues = queues;
@@ -1109,5 +1119,27 @@ mod tests {
         let mut s = t.state();
         s.queues.pop();
         assert!(t.restore_state(&s).is_err());
+    }
+
+    #[test]
+    fn test_mmio_restore_rejects_rings_outside_guest_memory() {
+        let (mem, _dev, mut t) = setup();
+        let qs = queues(&mem);
+        assert!(negotiate(&mut t, 1 << VIRTIO_F_VERSION_1));
+        assert_eq!(setup_queue(&mut t, 0, &qs[0]), 1);
+        let good = t.state();
+        for edit in [
+            |q: &mut QueueRegs| q.desc_table = 1 << 63,
+            |q: &mut QueueRegs| q.avail_ring = MEM_SIZE as u64 - 2,
+            |q: &mut QueueRegs| q.used_ring = u64::MAX - 7,
+        ] {
+            let mut s = good.clone();
+            edit(&mut s.queues[0]);
+            let (_m, _d, mut t2) = setup();
+            let e = t2.restore_state(&s).expect_err("refused");
+            assert!(e.to_string().contains("not inside guest memory"), "{e}");
+        }
+        let (_m, _d, mut t3) = setup();
+        t3.restore_state(&good).expect("the unedited state restores");
     }
 }

@@ -155,26 +155,52 @@ pub fn read_config_space(space: &[u8], offset: u64, data: &mut [u8]) {
     data[..n].copy_from_slice(&space[start..start + n]);
 }
 
-/// Logs guest mistakes a bounded number of times, then goes quiet, so a
-/// hostile guest cannot flood the VMM's log.
+/// Logs guest mistakes a bounded number of times, then counts them and
+/// logs one summary line a minute at most, so a hostile guest cannot fill
+/// the host's disk through the VMM's log.
 #[derive(Debug, Default)]
 pub struct GuestWarnings {
-    count: u32,
+    count: u64,
+    /// Mistakes not logged since the last summary, and when that was.
+    suppressed: u64,
+    summarized: Option<std::time::Instant>,
 }
 
 impl GuestWarnings {
-    /// Warnings logged per device before going quiet.
-    pub const LIMIT: u32 = 16;
+    /// Warnings logged per device before only summaries are.
+    pub const LIMIT: u64 = 16;
+    /// Least time between two summaries.
+    pub const SUMMARY_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
     /// Logs `args` for device `dev` unless the limit was reached.
     pub fn warn(&mut self, dev: &str, args: std::fmt::Arguments<'_>) {
-        if self.count < Self::LIMIT {
-            self.count += 1;
+        self.count += 1;
+        if self.count <= Self::LIMIT {
             tracing::warn!("{dev}: {args}");
             if self.count == Self::LIMIT {
-                tracing::warn!("{dev}: further guest errors are not logged");
+                tracing::warn!("{dev}: further guest errors are counted, and summarized once a minute");
+                self.summarized = Some(std::time::Instant::now());
             }
+            return;
         }
+        self.suppressed += 1;
+        let due = self
+            .summarized
+            .is_none_or(|t| t.elapsed() >= Self::SUMMARY_EVERY);
+        if due {
+            tracing::warn!(
+                "{dev}: {} more guest errors ({} in all), the last: {args}",
+                self.suppressed,
+                self.count
+            );
+            self.suppressed = 0;
+            self.summarized = Some(std::time::Instant::now());
+        }
+    }
+
+    /// How many mistakes were reported in all.
+    pub fn count(&self) -> u64 {
+        self.count
     }
 }
 

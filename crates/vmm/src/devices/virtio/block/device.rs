@@ -174,7 +174,7 @@ impl Block {
         let mem = &active.mem;
         let queue = &mut active.queues[0];
         let mut used_any = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+        while let Some(chain) = self.base.pop_chain(queue, mem) {
             let head = chain.head_index();
             let len = match ChainBuffers::parse(chain) {
                 Ok(bufs) => request::execute(&mut self.disk, mem, &bufs, &mut self.base.warnings),
@@ -199,6 +199,7 @@ impl Block {
 /// A block device keeps no guest-visible state of its own: its features
 /// are in the transport, its data on the disk, which the host side names.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct BlockState {}
 
 impl crate::persist::Persist for Block {

@@ -184,7 +184,7 @@ impl Net {
                     }
                 }
             }
-            let Some(chain) = queue.pop_descriptor_chain(mem) else {
+            let Some(chain) = self.base.pop_chain(queue, mem) else {
                 break Rx::NoBuffers;
             };
             let head = chain.head_index();
@@ -243,7 +243,7 @@ impl Net {
         let mem = &active.mem;
         let queue = &mut active.queues[TX];
         let mut used_any = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+        while let Some(chain) = self.base.pop_chain(queue, mem) {
             let head = chain.head_index();
             match ChainBuffers::parse(chain) {
                 Ok(bufs) => {
@@ -300,6 +300,7 @@ impl Net {
 /// in the transport and its MAC in its configuration. A frame read from the
 /// tap but not yet delivered is dropped by a fork, as a network may drop it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NetState {}
 
 impl crate::persist::Persist for Net {

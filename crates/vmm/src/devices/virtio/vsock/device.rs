@@ -131,7 +131,7 @@ impl Vsock {
             return;
         };
         let queue = &mut queues[EVQ];
-        let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+        let Some(chain) = self.base.pop_chain(queue, &*mem) else {
             return;
         };
         let head = chain.head_index();
@@ -156,12 +156,12 @@ impl Vsock {
                 Reset::Sent { posted }
             }
             _ => {
-                warn!("vsock: the driver's event buffer is unusable; transport reset not sent");
+                self.base.warn(format_args!("the driver's event buffer is unusable; transport reset not sent"));
                 Reset::None
             }
         };
         if let Err(e) = queue.add_used(&*mem, head, len) {
-            warn!("vsock: cannot return event buffer: {e}");
+            self.base.warn(format_args!("cannot return event buffer: {e}"));
         }
         raise_vring(interrupt, DEV);
     }
@@ -275,7 +275,7 @@ impl Vsock {
         let queue = &mut queues[RXQ];
         let mut used = false;
         while self.muxer.has_rx() {
-            let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+            let Some(chain) = self.base.pop_chain(queue, &*mem) else {
                 break;
             };
             let head = chain.head_index();
@@ -284,7 +284,7 @@ impl Vsock {
                     Some((hdr, data)) => {
                         trace!("vsock: to guest {hdr} (rx head {head})");
                         buf.write(&hdr, &data).unwrap_or_else(|e| {
-                            warn!("vsock: cannot write rx packet: {e}");
+                            self.base.warn(format_args!("cannot write rx packet: {e}"));
                             0
                         })
                     }
@@ -295,12 +295,12 @@ impl Vsock {
                     }
                 },
                 Err(e) => {
-                    warn!("vsock: dropping rx buffer: {e}");
+                    self.base.warn(format_args!("dropping rx buffer: {e}"));
                     0
                 }
             };
             if let Err(e) = queue.add_used(&*mem, head, len) {
-                warn!("vsock: cannot return rx buffer: {e}");
+                self.base.warn(format_args!("cannot return rx buffer: {e}"));
             }
             used = true;
         }
@@ -320,7 +320,7 @@ impl Vsock {
                 self.tx_stalled = true;
                 break;
             }
-            let Some(chain) = queue.pop_descriptor_chain(&*mem) else {
+            let Some(chain) = self.base.pop_chain(queue, &*mem) else {
                 break;
             };
             let head = chain.head_index();
@@ -330,13 +330,13 @@ impl Vsock {
                     self.muxer.handle_tx(pkt, ops)
                 }
                 Err(PacketError::BadLength { hdr, len, avail }) => {
-                    warn!("vsock: tx packet length {len} but {avail} bytes in chain, resetting");
+                    self.base.warn(format_args!("tx packet length {len} but {avail} bytes in chain, resetting"));
                     self.muxer.reject(&hdr, ops);
                 }
-                Err(e) => warn!("vsock: dropping tx chain: {e}"),
+                Err(e) => self.base.warn(format_args!("dropping tx chain: {e}")),
             }
             if let Err(e) = queue.add_used(&*mem, head, 0) {
-                warn!("vsock: cannot return tx buffer: {e}");
+                self.base.warn(format_args!("cannot return tx buffer: {e}"));
             }
             used = true;
         }
@@ -484,6 +484,7 @@ pub(super) enum Reset {
 /// The vsock's own saved state: where host port numbering continues
 /// ([`VsockMuxer::set_next_local_port`] says why).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct VsockState {
     pub next_local_port: u32,
 }

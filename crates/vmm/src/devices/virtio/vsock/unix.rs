@@ -17,6 +17,7 @@
 //! not polled for input (so the loop never spins) and data stays in the
 //! kernel's socket buffer.
 
+use crate::devices::virtio::queue::GuestWarnings;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
 use std::io::{self, Read, Write};
@@ -220,6 +221,8 @@ pub struct VsockMuxer {
     ctrl: VecDeque<CtrlPkt>,
     data_pending: VecDeque<ConnKey>,
     next_local_port: u32,
+    /// Guest mistakes, logged a bounded number of times.
+    warnings: GuestWarnings,
 }
 
 impl VsockMuxer {
@@ -236,6 +239,7 @@ impl VsockMuxer {
             ctrl: VecDeque::new(),
             data_pending: VecDeque::new(),
             next_local_port: EPHEMERAL_PORT_BASE,
+            warnings: GuestWarnings::default(),
         }
     }
 
@@ -467,9 +471,12 @@ impl VsockMuxer {
 
     fn guest_connect(&mut self, key: ConnKey, hdr: &VsockHeader, ops: &mut EventOps) {
         if self.pending.len() + self.conns.len() >= MAX_CONNECTIONS {
-            warn!(
-                "vsock: too many connections, refusing guest port {}",
-                key.peer_port
+            self.warnings.warn(
+                "vsock",
+                format_args!(
+                    "too many connections, refusing guest port {}",
+                    key.peer_port
+                ),
             );
             self.queue_rst(key);
             return;
@@ -533,9 +540,12 @@ impl VsockMuxer {
             || hdr.type_ != TYPE_STREAM
             || !(OP_REQUEST..=OP_CREDIT_REQUEST).contains(&hdr.op)
         {
-            warn!(
-                "vsock: invalid packet from guest (src_cid {}, dst_cid {}, type {}, op {})",
-                hdr.src_cid, hdr.dst_cid, hdr.type_, hdr.op
+            self.warnings.warn(
+                "vsock",
+                format_args!(
+                    "invalid packet from guest (src_cid {}, dst_cid {}, type {}, op {})",
+                    hdr.src_cid, hdr.dst_cid, hdr.type_, hdr.op
+                ),
             );
             self.reject(&hdr, ops);
             return;
@@ -568,9 +578,12 @@ impl VsockMuxer {
             (ConnState::Established, OP_RW) => {
                 let outstanding = conn.recv_cnt.wrapping_sub(conn.fwd_cnt) as usize;
                 if conn.peer_shut_send || outstanding + pkt.data.len() > CONN_BUF_ALLOC as usize {
-                    warn!(
-                        "vsock: guest port {} sent data beyond its credit or after shutdown",
-                        key.peer_port
+                    self.warnings.warn(
+                        "vsock",
+                        format_args!(
+                            "guest port {} sent data beyond its credit or after shutdown",
+                            key.peer_port
+                        ),
                     );
                     self.kill(key, true, ops);
                     return;
@@ -586,9 +599,9 @@ impl VsockMuxer {
                 conn.peer_shut_send |= hdr.flags & SHUTDOWN_SEND != 0;
             }
             _ => {
-                warn!(
-                    "vsock: unexpected op {} on guest port {}",
-                    hdr.op, key.peer_port
+                self.warnings.warn(
+                    "vsock",
+                    format_args!("unexpected op {} on guest port {}", hdr.op, key.peer_port),
                 );
                 self.kill(key, true, ops);
                 return;

@@ -1,0 +1,102 @@
+//! The control socket's guard: who may connect (the VMM's own user or
+//! root, by SO_PEERCRED), how long a request may take to arrive and how
+//! large it may be, and readers per connection so that one idle or slow
+//! client does not stall the forks of every other.
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use crate::api::Request;
+
+/// Largest request line (a fork of 100 named children is a few KiB).
+pub const MAX_REQUEST: u64 = 1 << 20;
+/// How long a client may take to send its request.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections being read at once; more are refused as busy.
+pub const MAX_READERS: usize = 16;
+
+/// Refuses a peer that is neither this process's user nor root.
+pub fn check_peer(conn: &UnixStream) -> Result<(), String> {
+    let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if cred.uid() == me || cred.uid() == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "uid {} may not use this vm's control socket (it belongs to uid {me})",
+            cred.uid()
+        ))
+    }
+}
+
+/// Reads one request line from an allowed peer, within [`READ_TIMEOUT`]
+/// and [`MAX_REQUEST`].
+pub fn read_request(conn: &UnixStream) -> Result<Request, String> {
+    check_peer(conn)?;
+    conn.set_read_timeout(Some(READ_TIMEOUT))
+        .map_err(|e| format!("cannot set a read timeout: {e}"))?;
+    let mut line = Vec::new();
+    BufReader::new(conn.take(MAX_REQUEST))
+        .read_until(b'\n', &mut line)
+        .map_err(|e| format!("cannot read the request: {e}"))?;
+    if line.last() != Some(&b'\n') {
+        return Err(if line.len() as u64 >= MAX_REQUEST {
+            format!("the request is larger than {MAX_REQUEST} bytes")
+        } else {
+            "the request ended before its newline".into()
+        });
+    }
+    // Replies go out on the same connection without a deadline of ours.
+    let _ = conn.set_read_timeout(None);
+    serde_json::from_slice(&line).map_err(|e| format!("bad request: {e}"))
+}
+
+/// Accepts on `listener` in a thread of its own and reads each request in
+/// a reader thread (at most [`MAX_READERS`]); the requests, or why one
+/// could not be read, arrive in order of completion.
+pub fn requests(
+    listener: UnixListener,
+) -> std::io::Result<mpsc::Receiver<(UnixStream, Result<Request, String>)>> {
+    let (tx, rx) = mpsc::channel();
+    let readers = Arc::new(AtomicUsize::new(0));
+    std::thread::Builder::new()
+        .name("api-accept".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else {
+                    // Out of fds (EMFILE) repeats at once: do not spin on it.
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                if readers.fetch_add(1, Ordering::SeqCst) >= MAX_READERS {
+                    readers.fetch_sub(1, Ordering::SeqCst);
+                    if tx
+                        .send((conn, Err("the vm's control socket is busy; retry".into())))
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
+                let tx = tx.clone();
+                let readers = readers.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("api-read".into())
+                    .spawn(move || {
+                        let req = read_request(&conn);
+                        readers.fetch_sub(1, Ordering::SeqCst);
+                        let _ = tx.send((conn, req));
+                    });
+                if spawned.is_err() {
+                    // The reader count stays raised: the process is out
+                    // of threads, and refusing more is right.
+                    tracing::warn!("cannot start a control socket reader");
+                }
+            }
+        })?;
+    Ok(rx)
+}
