@@ -345,23 +345,33 @@ fn test_bad_input_is_refused_and_the_parent_is_unharmed() {
         b[mid] ^= 0x01;
         std::fs::write(d.join("state"), b).expect("write");
     });
-    assert!(e.contains("CRC"), "flipped byte: {e}");
+    assert!(e.contains("checksum does not match"), "flipped byte: {e}");
     let e = variant("newer", &|d| {
         let mut b = std::fs::read(d.join("state")).expect("state");
-        b[8..12].copy_from_slice(&99u32.to_le_bytes());
+        b[8..10].copy_from_slice(&99u16.to_le_bytes());
         std::fs::write(d.join("state"), b).expect("write");
     });
-    assert!(e.contains("version 99"), "newer version: {e}");
+    assert!(e.contains("format 99.0"), "newer version: {e}");
     let e = variant("cpu", &|d| {
+        // Edited and sealed again, as a host without a key cannot tell.
         let p = d.join("manifest.json");
-        let mut m: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&p).expect("manifest")).expect("json");
+        let text = std::fs::read(&p).expect("manifest");
+        let state: serde_json::Value = snapshot::decode_sealed(
+            &std::fs::read(d.join("state")).expect("state"),
+            &snapshot::Seal::of_manifest(&text, None),
+        )
+        .expect("state");
+        let mut m: serde_json::Value = serde_json::from_slice(&text).expect("json");
         for entry in m["compat"]["cpuid"].as_array_mut().expect("cpuid") {
             if entry["function"] == 7 && entry["index"] == 0 {
                 entry["ebx"] = serde_json::json!(u32::MAX);
             }
         }
-        std::fs::write(&p, serde_json::to_vec(&m).expect("json")).expect("write");
+        let text = serde_json::to_vec(&m).expect("json");
+        let sealed = snapshot::encode_sealed(&state, &snapshot::Seal::of_manifest(&text, None))
+            .expect("seal");
+        std::fs::write(d.join("state"), sealed).expect("write");
+        std::fs::write(&p, text).expect("write");
     });
     assert!(
         e.contains("CPU") || e.contains("cpu") || e.contains("feature"),

@@ -1,0 +1,258 @@
+//! Snapshot directories are untrusted input (they move between hosts) and
+//! the host is closed to other users: each finding of issue 16 as a test
+//! on micro guests. A snapshot is edited the way an attacker would, with
+//! its seal recomputed (the seal is a checksum unless a host key is
+//! configured), so the checks behind the seal are what is tested.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{kvm_available, Home, TempDir};
+
+fn console(h: &Home, vm: &str) -> String {
+    std::fs::read_to_string(h.0.path().join("vms").join(vm).join("console.log")).unwrap_or_default()
+}
+
+fn wait_console(h: &Home, vm: &str, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !console(h, vm).contains(needle) {
+        assert!(Instant::now() < deadline, "{vm} never printed {needle:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn err(h: &Home, args: &[&str]) -> String {
+    let out = h.out(args);
+    assert!(!out.status.success(), "tine {args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A copy of snapshot `good` in `dir/name`, with `edit` applied to its
+/// manifest and its state's payload (as JSON), sealed again unkeyed.
+fn forged(
+    good: &Path,
+    dir: &Path,
+    name: &str,
+    edit: impl Fn(&mut serde_json::Value, &mut serde_json::Value),
+) -> std::path::PathBuf {
+    let d = dir.join(name);
+    std::fs::create_dir_all(&d).expect("mkdir");
+    std::fs::copy(good.join("memory"), d.join("memory")).expect("memory");
+    let text = std::fs::read(good.join("manifest.json")).expect("manifest");
+    let state = std::fs::read(good.join("state")).expect("state");
+    let mut moment: serde_json::Value =
+        snapshot::decode_sealed(&state, &snapshot::Seal::of_manifest(&text, None)).expect("state");
+    let mut manifest: serde_json::Value = serde_json::from_slice(&text).expect("json");
+    edit(&mut manifest, &mut moment);
+    let text = serde_json::to_vec_pretty(&manifest).expect("json");
+    let state = snapshot::encode_sealed(&moment, &snapshot::Seal::of_manifest(&text, None))
+        .expect("seal");
+    std::fs::write(d.join("state"), state).expect("state");
+    std::fs::write(d.join("manifest.json"), text).expect("manifest");
+    d
+}
+
+#[test]
+fn test_forged_snapshots_are_refused_before_anything_runs() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("untrusted");
+    let dir = TempDir::new("untrusteddir");
+    h.ok(&["run", "--name", "m", "--image", "micro-memtouch", "--mem", "64M"]);
+    wait_console(&h, "m", "READY");
+    let good = dir.path().join("good");
+    h.ok(&["snapshot", "m", "--to", good.to_str().expect("utf8")]);
+    let run_from = |d: &Path| {
+        let name = d.file_name().and_then(|n| n.to_str()).expect("name");
+        err(&h, &["run", "--name", name, "--from", d.to_str().expect("utf8")])
+    };
+
+    // The manifest edited without its seal: the state names another one.
+    let d = dir.path().join("edited");
+    std::fs::create_dir_all(&d).expect("mkdir");
+    for f in ["memory", "state", "manifest.json"] {
+        std::fs::copy(good.join(f), d.join(f)).expect("copy");
+    }
+    let p = d.join("manifest.json");
+    let text = std::fs::read_to_string(&p).expect("manifest");
+    std::fs::write(&p, text.replace("\"mem_mib\": 64", "\"mem_mib\": 65")).expect("write");
+    let e = run_from(&d);
+    assert!(e.contains("manifest.json was altered"), "{e}");
+
+    // A newer format, in the manifest and in the state's header.
+    let d = forged(&good, dir.path(), "newer", |m, _| {
+        m["format_version"] = "99.0".into()
+    });
+    let e = run_from(&d);
+    assert!(e.contains("format 99.0"), "{e}");
+    let d = dir.path().join("v2");
+    std::fs::create_dir_all(&d).expect("mkdir");
+    for f in ["memory", "state", "manifest.json"] {
+        std::fs::copy(good.join(f), d.join(f)).expect("copy");
+    }
+    let mut b = std::fs::read(d.join("state")).expect("state");
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    std::fs::write(d.join("state"), b).expect("write");
+    let e = run_from(&d);
+    assert!(e.contains("State format 2.0 cannot be read"), "{e}");
+
+    // Machines a boot would refuse.
+    for (name, vcpus) in [("vcpus0", 0), ("vcpus64", 64)] {
+        let d = forged(&good, dir.path(), name, |m, s| {
+            m["vcpus"] = vcpus.into();
+            let v = s["machine"]["vcpus"].as_array_mut().expect("vcpus");
+            let one = v[0].clone();
+            v.clear();
+            v.extend(std::iter::repeat_n(one, vcpus));
+        });
+        let e = run_from(&d);
+        assert!(e.contains(&format!("{vcpus} vCPUs")), "{name}: {e}");
+    }
+    let d = forged(&good, dir.path(), "huge", |m, s| {
+        m["mem_mib"] = (1u64 << 20).into();
+        s["mem_mib"] = (1u64 << 20).into();
+    });
+    let e = run_from(&d);
+    assert!(e.contains("1048576 MiB of memory"), "{e}");
+    let d = forged(&good, dir.path(), "unknown", |m, _| {
+        m["run_this"] = "id".into()
+    });
+    let e = run_from(&d);
+    assert!(e.contains("unknown field `run_this`"), "{e}");
+    let d = forged(&good, dir.path(), "unknownstate", |_, s| {
+        s["machine"]["extra"] = 1.into()
+    });
+    let e = run_from(&d);
+    assert!(e.contains("Cannot decode state"), "{e}");
+
+    // A contract whose rotate provider would run a command on the host.
+    let pwned = dir.path().join("PWNED");
+    let d = forged(&good, dir.path(), "provider", |m, _| {
+        m["contract"] = format!(
+            "[secrets.token]\npath = \"/run/t\"\non_fork = \"rotate\"\nprovider = \"id > {}\"\n",
+            pwned.display()
+        )
+        .into();
+    });
+    let e = run_from(&d);
+    assert!(e.contains("is not one this host runs"), "{e}");
+    assert!(!pwned.exists(), "the provider ran");
+
+    let rows = h.ls();
+    assert_eq!(rows.len(), 1, "only m: {rows:?}");
+}
+
+#[test]
+fn test_a_snapshot_cannot_name_a_host_file_as_its_disk() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("untrusteddisk");
+    let dir = TempDir::new("untrusteddiskdir");
+    let disk = dir.path().join("disk.raw");
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(8 << 20))
+        .expect("disk");
+    h.ok(&[
+        "run",
+        "--name",
+        "d",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "64M",
+        "--disk",
+        disk.to_str().expect("utf8"),
+    ]);
+    wait_console(&h, "d", "READY");
+    let good = dir.path().join("good");
+    h.ok(&["snapshot", "d", "--to", good.to_str().expect("utf8")]);
+    // The snapshot as taken restores (its disk is a frozen layer in the home).
+    h.ok(&["run", "--name", "ok", "--from", good.to_str().expect("utf8")]);
+    let secret = dir.path().join("host-secret");
+    std::fs::write(&secret, vec![b's'; 8 << 20]).expect("secret");
+    let d = forged(&good, dir.path(), "shadow", |m, _| {
+        m["disks"][0]["path"] = secret.to_str().expect("utf8").into();
+        m["disks"][0]["frozen"] = false.into();
+    });
+    let e = err(
+        &h,
+        &["run", "--name", "shadow", "--from", d.to_str().expect("utf8")],
+    );
+    assert!(e.contains("which is not a disk file under"), "{e}");
+}
+
+#[test]
+fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("closed");
+    let dir = TempDir::new("closeddir");
+    // SAFETY: umask(2) only changes this process's mask; the tine
+    // processes started below inherit it, as a careless shell would give.
+    let old = unsafe { libc::umask(0) };
+    h.ok(&["run", "--name", "c", "--image", "micro-memtouch", "--mem", "64M"]);
+    wait_console(&h, "c", "READY");
+    let snap = dir.path().join("snap");
+    h.ok(&["snapshot", "c", "--to", snap.to_str().expect("utf8")]);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let mode = |p: &Path| {
+        std::fs::symlink_metadata(p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    assert_eq!(mode(h.0.path()), 0o700, "TINE_HOME");
+    let vm = h.0.path().join("vms/c");
+    for f in ["api.sock", "console.log", "vmm.log", "vm.json"] {
+        assert_eq!(mode(&vm.join(f)) & 0o077, 0, "{f} is open to others");
+    }
+    for f in ["memory", "state", "manifest.json"] {
+        assert_eq!(mode(&snap.join(f)) & 0o077, 0, "snapshot {f} is open to others");
+    }
+    assert_eq!(mode(&h.0.path().join("tined.sock")) & 0o077, 0, "tined.sock");
+
+    // Even with the modes opened by hand, the sockets check who connects.
+    let setpriv = "setpriv";
+    let open = |p: &Path, m: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).expect("chmod")
+    };
+    open(h.0.path(), 0o755);
+    open(&h.0.path().join("vms"), 0o755);
+    open(&vm, 0o755);
+    open(&vm.join("api.sock"), 0o777);
+    open(&h.0.path().join("tined.sock"), 0o777);
+    let as_nobody = |script: &str| {
+        std::process::Command::new(setpriv)
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", script])
+            .output()
+            .expect("setpriv")
+    };
+    let out = as_nobody(&format!(
+        "curl -sS --max-time 5 --unix-socket {} http://t/v1/vms",
+        h.0.path().join("tined.sock").display()
+    ));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && !said.contains("\"c\""),
+        "nobody listed the vms through tined.sock: {said}"
+    );
+    let out = as_nobody(&format!(
+        "echo '{{\"op\":\"ping\"}}' | socat -t 5 - UNIX-CONNECT:{}",
+        vm.join("api.sock").display()
+    ));
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        reply.contains("may not use this vm's control socket"),
+        "nobody pinged the VMM: {reply:?}"
+    );
+    // The owner still can.
+    h.ok(&["fork", "c", "-n", "1"]);
+}
