@@ -6,6 +6,11 @@
 //! * `read <block>` replies `READ <block> SUM <hex16>`
 //! * `flush` replies `FLUSHED`
 //! * `ping` replies `PONG`
+//! * `flood <seconds>` attacks the host for that long (issue 16's flood
+//!   test): console lines as fast as the UART takes them, queue notifies
+//!   over an avail index far past the ring, writes to read-only and
+//!   unknown transport registers; replies `FLOODED <rounds>`. The disk's
+//!   queue is broken afterwards.
 //!
 //! After `READY` it prints `DISK <sectors>` (or `NODISK`). Pattern: the
 //! u64 at byte `o` of the disk becomes `(o ^ seed) * 0x9e3779b97f4a7c15`
@@ -208,6 +213,12 @@ fn command(line: &[u8]) {
         return err(b"no disk");
     }
     match cmd {
+        b"flood" if arg2.is_none() => {
+            let Some(secs) = arg1.and_then(rt::parse_u64) else {
+                return err(b"usage: flood <seconds>");
+            };
+            flood(secs);
+        }
         b"write" => {
             let Some(block) = arg1.and_then(rt::parse_u64) else {
                 return err(b"usage: write <block> [seed]");
@@ -259,6 +270,35 @@ fn command(line: &[u8]) {
         },
         _ => err(b"unknown command (write <block> [seed] | read <block> | flush | ping)"),
     }
+}
+
+fn flood(secs: u64) {
+    let end = rt::ticks() + secs * 1_000_000 / TICK_US;
+    let r = ring();
+    let mut rounds = 0u64;
+    while rt::ticks() < end {
+        // SAFETY: single-threaded guest; the device reads the ring only
+        // on the notify below, and finds the index broken.
+        unsafe {
+            let avail = &raw mut (*r).avail as *mut u16;
+            core::ptr::write_volatile(avail.add(1), NEXT_AVAIL.wrapping_add(0x8000));
+        }
+        fence(Ordering::SeqCst);
+        for _ in 0..64 {
+            set(0x50, 0);
+        }
+        // Read-only and unknown registers.
+        set(0x00, 0xdead_beef);
+        set(0x0fc, 1);
+        set(0x50, 77);
+        for _ in 0..16 {
+            rt::puts(b"FLOOD the host's disk with this console line, again and again\n");
+        }
+        rounds += 1;
+    }
+    rt::puts(b"FLOODED ");
+    rt::put_dec(rounds);
+    rt::puts(b"\n");
 }
 
 fn checksum(data: &[u8]) -> u64 {

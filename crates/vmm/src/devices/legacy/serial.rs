@@ -275,4 +275,21 @@ mod tests {
         };
         assert!(SerialDevice::from_state(&state, evt(), ConsoleOutput::default()).is_err());
     }
+
+    #[test]
+    fn test_console_log_is_capped_and_rotated() {
+        let dir = std::env::temp_dir().join(format!("tine-console-cap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("console.log");
+        let mut out = ConsoleOutput::with_log_path(&path, false).expect("open");
+        let line = [b'x'; 100];
+        for _ in 0..(4 * ConsoleLog::CAP / 100) {
+            out.write_all(&line).expect("write");
+        }
+        let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        let old = dir.join("console.log.1");
+        assert!(size(&path) <= ConsoleLog::CAP, "{}", size(&path));
+        assert!(size(&old) <= ConsoleLog::CAP && size(&old) > 0, "{}", size(&old));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
