@@ -153,6 +153,8 @@ fn main() {
     let mut gw = Command::new(gw_bin)
         .arg("--home")
         .arg(&home)
+        // The bench's server is on the host's loopback.
+        .env(effects::egress::ALLOW_PRIVATE_ENV, "127.0.0.1")
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -172,6 +174,7 @@ fn main() {
         socket: sock.clone(),
         lineage: vec![],
         effects: Default::default(),
+        network: Default::default(),
     };
     control::call(
         &paths.control(),

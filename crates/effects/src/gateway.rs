@@ -36,10 +36,11 @@ use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpStream, UnixListener, UnixStream};
+use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::control::{self, Reply};
+use crate::egress::{self, Denied};
 use crate::journal::{EffectRow, Journal, NewEffect, State};
 use crate::{EffectPolicy, Error, MomentKind, Paths, Registration};
 
@@ -74,6 +75,9 @@ pub struct Options {
     /// between `moment` and `moment_done`).
     pub hold_limit: Duration,
     pub fault_after_response: bool,
+    /// Host networks the gateway may reach although they are the host's
+    /// own ([`egress::ALLOW_PRIVATE_ENV`]; tests only).
+    pub allow_private: Vec<egress::HostRule>,
 }
 
 impl Options {
@@ -86,7 +90,19 @@ impl Options {
             hold_limit: Duration::from_secs(300),
             fault_after_response: std::env::var(FAULT_ENV).as_deref()
                 == Ok("after-response-before-journal"),
+            allow_private: Vec::new(),
         }
+    }
+
+    /// [`Options::new`] with the host settings from the environment
+    /// ([`egress::ALLOW_PRIVATE_ENV`]); a malformed one is an error, never
+    /// ignored.
+    pub fn from_env(home: &Path) -> Result<Self, Error> {
+        let mut o = Options::new(home);
+        if let Ok(v) = std::env::var(egress::ALLOW_PRIVATE_ENV) {
+            o.allow_private = egress::HostRule::parse_list(&v).map_err(Error::Gateway)?;
+        }
+        Ok(o)
     }
 }
 
@@ -170,6 +186,12 @@ pub fn serve(opts: Options) -> Result<(), Error> {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
+    // Everything the gateway makes is its own, whatever umask it was
+    // started with: sockets, journal, CA key (sockets are chmod'ed too).
+    // SAFETY: umask(2) only sets this process's file-creation mask.
+    unsafe {
+        libc::umask(0o077);
+    }
     let paths = Paths::new(&opts.home);
     std::fs::create_dir_all(&paths.dir)
         .map_err(|e| Error::Io(paths.dir.display().to_string(), e))?;
@@ -228,9 +250,18 @@ async fn run(shared: Arc<Shared>) -> Result<(), Error> {
         }
     }
     let control = shared.paths.control();
-    let _ = std::fs::remove_file(&control);
-    let listener =
-        UnixListener::bind(&control).map_err(|e| Error::Io(control.display().to_string(), e))?;
+    // A control socket left by an earlier gateway of this home (the lock
+    // says none runs); anything else there is not ours to remove.
+    if let Ok(m) = std::fs::symlink_metadata(&control) {
+        if !is_own_socket(&m) {
+            return Err(Error::Gateway(format!(
+                "{} exists and is not a socket of this gateway; not replaced",
+                control.display()
+            )));
+        }
+        let _ = std::fs::remove_file(&control);
+    }
+    let listener = bind_private(&control)?;
     std::fs::write(shared.paths.pidfile(), format!("{}\n", std::process::id()))
         .map_err(|e| Error::Io(shared.paths.pidfile().display().to_string(), e))?;
     eprintln!(
@@ -269,8 +300,39 @@ async fn heartbeat(shared: Arc<Shared>) {
 
 // ---------------------------------------------------------------- control
 
-async fn control_conn(shared: Arc<Shared>, s: UnixStream) {
+/// Whether a peer may use the control socket: the gateway's own user, or
+/// root. The socket is 0600 already; this holds even if its mode or its
+/// directory's were loosened.
+fn peer_allowed(s: &UnixStream) -> Result<(), String> {
+    let cred = s
+        .peer_cred()
+        .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid() == me || cred.uid() == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "refused: uid {} is neither the gateway's user ({me}) nor root",
+            cred.uid()
+        ))
+    }
+}
+
+async fn control_conn(shared: Arc<Shared>, mut s: UnixStream) {
     use tokio::io::AsyncBufReadExt;
+    if let Err(why) = peer_allowed(&s) {
+        eprintln!("tine gateway: control connection {why}");
+        let reply = Reply {
+            ok: false,
+            error: Some(format!("effects gateway control: {why}")),
+            status: None,
+        };
+        let mut out = serde_json::to_vec(&reply).unwrap_or_default();
+        out.push(b'\n');
+        let _ = s.write_all(&out).await;
+        return;
+    }
     let (r, mut w) = s.into_split();
     let mut lines = tokio::io::BufReader::new(r).lines();
     while let Ok(Some(line)) = lines.next_line().await {
@@ -363,6 +425,7 @@ fn register(shared: &Arc<Shared>, reg: Registration) -> Result<(), Error> {
     reg.effects
         .validate()
         .map_err(|e| Error::Control(e.to_string()))?;
+    let existing = check_socket_path(shared, &reg.socket)?;
     let old: Vec<String> = lock(&shared.branches)
         .values()
         .filter(|b| b.reg.socket == reg.socket || b.reg.branch == reg.branch)
@@ -371,14 +434,11 @@ fn register(shared: &Arc<Shared>, reg: Registration) -> Result<(), Error> {
     for b in old {
         unregister(shared, &b)?;
     }
-    let _ = std::fs::remove_file(&reg.socket);
-    let std_listener = std::os::unix::net::UnixListener::bind(&reg.socket)
-        .map_err(|e| Error::Io(reg.socket.display().to_string(), e))?;
-    std_listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::Io(reg.socket.display().to_string(), e))?;
-    let listener = UnixListener::from_std(std_listener)
-        .map_err(|e| Error::Io(reg.socket.display().to_string(), e))?;
+    if existing {
+        // Checked above: a socket this gateway made for a branch.
+        let _ = std::fs::remove_file(&reg.socket);
+    }
+    let listener = bind_private(&reg.socket)?;
     lock(&shared.store).journal.put_branch(&reg, true)?;
     let (hold_tx, _) = watch::channel(false);
     let branch = Arc::new(Branch {
@@ -391,6 +451,73 @@ fn register(shared: &Arc<Shared>, reg: Registration) -> Result<(), Error> {
     *lock(&branch.accept) = Some(task.abort_handle());
     lock(&shared.branches).insert(reg.branch.clone(), branch);
     Ok(())
+}
+
+/// A socket owned by the gateway's user (not a link, not a file).
+fn is_own_socket(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    m.file_type().is_socket() && m.uid() == unsafe { libc::geteuid() }
+}
+
+/// Binds a Unix listener at `path`, mode 0600 (no wider at any moment: the
+/// process's umask is 077, and the mode is set again after the bind).
+fn bind_private(path: &Path) -> Result<UnixListener, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |e| Error::Io(path.display().to_string(), e);
+    let l = std::os::unix::net::UnixListener::bind(path).map_err(io)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    l.set_nonblocking(true).map_err(io)?;
+    UnixListener::from_std(l).map_err(io)
+}
+
+/// Whether the gateway may listen at `path` for a branch: inside its home
+/// (`$TINE_HOME`, where the CLI puts `vms/NAME/vsock.sock_3128`), and
+/// either free or a socket the gateway made for a branch (one registered
+/// now, or before a restart). Returns whether such a socket is there to
+/// replace. Nothing else is ever removed.
+fn check_socket_path(shared: &Shared, path: &Path) -> Result<bool, Error> {
+    let refuse = |why: String| {
+        Error::Control(format!(
+            "cannot listen at {}: {why}; nothing was changed",
+            path.display()
+        ))
+    };
+    let (Some(dir), Some(_)) = (path.parent(), path.file_name()) else {
+        return Err(refuse("not a file path".into()));
+    };
+    if !path.is_absolute() {
+        return Err(refuse("not an absolute path".into()));
+    }
+    let home = std::fs::canonicalize(&shared.opts.home)
+        .map_err(|e| Error::Io(shared.opts.home.display().to_string(), e))?;
+    let real_dir = std::fs::canonicalize(dir).map_err(|e| refuse(e.to_string()))?;
+    if !real_dir.starts_with(&home) {
+        return Err(refuse(format!(
+            "it is not inside the gateway's home {}",
+            home.display()
+        )));
+    }
+    let m = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(refuse(e.to_string())),
+    };
+    let ours = is_own_socket(&m)
+        && (lock(&shared.branches)
+            .values()
+            .any(|b| b.reg.socket == path)
+            || lock(&shared.store)
+                .journal
+                .active_branches()?
+                .iter()
+                .any(|r| r.socket == path));
+    if !ours {
+        return Err(refuse(
+            "something is there that is not a socket this gateway made for a vm".into(),
+        ));
+    }
+    Ok(true)
 }
 
 fn unregister(shared: &Arc<Shared>, branch: &str) -> Result<(), Error> {
@@ -523,6 +650,17 @@ struct ConnCtx {
     branch: Arc<Branch>,
     id: u64,
     ticket: Mutex<Option<Ticket>>,
+}
+
+impl ConnCtx {
+    /// The egress policy of this connection's branch (the listener's, never
+    /// anything the guest sent).
+    fn egress(&self) -> egress::Policy<'_> {
+        egress::Policy {
+            reg: &self.branch.reg,
+            allow_private: &self.shared.opts.allow_private,
+        }
+    }
 }
 
 async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixStream) {
@@ -718,6 +856,10 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
     if policy == EffectPolicy::DenyInChildren && reg.is_child() {
         return refuse(&ctx, &method, &url, &dest);
     }
+    let addrs = match ctx.egress().resolve(&host, port).await {
+        Ok(a) => a,
+        Err(d) => return denied(&ctx, &method, &url, &dest, d),
+    };
     let policy = match policy {
         EffectPolicy::DenyInChildren if safe => EffectPolicy::Pass,
         EffectPolicy::DenyInChildren => EffectPolicy::OncePerTree,
@@ -773,6 +915,7 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
             .map(|a| a.as_str().to_string())
             .unwrap_or_else(|| dest.clone()),
         dest: dest.clone(),
+        addrs,
         headers: end_to_end(&parts.headers),
         body,
     };
@@ -798,16 +941,46 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
 }
 
 fn refuse(ctx: &ConnCtx, method: &str, url: &str, dest: &str) -> Response<RespBody> {
-    let reg = &ctx.branch.reg;
     let why = format!(
         "tine effects gateway: refused: the contract's effects policy for {dest} is deny-in-children, and vm {:?} is a child (a fork or restored copy); nothing was sent",
-        reg.vm
+        ctx.branch.reg.vm
     );
+    refuse_as(ctx, method, url, dest, "deny-in-children", why)
+}
+
+/// The egress policy's answer: refused (403, journaled) or unresolvable.
+fn denied(ctx: &ConnCtx, method: &str, url: &str, dest: &str, d: Denied) -> Response<RespBody> {
+    match d {
+        Denied::Refused(why) => refuse_as(
+            ctx,
+            method,
+            url,
+            dest,
+            "egress",
+            format!("tine effects gateway: {why}; nothing was sent"),
+        ),
+        Denied::Unresolved(why) => text(
+            StatusCode::BAD_GATEWAY,
+            format!("tine effects gateway: {why}; nothing was sent"),
+        ),
+    }
+}
+
+/// Refuses a request (403) and journals the refusal under `policy`.
+fn refuse_as(
+    ctx: &ConnCtx,
+    method: &str,
+    url: &str,
+    dest: &str,
+    policy: &str,
+    why: String,
+) -> Response<RespBody> {
+    let reg = &ctx.branch.reg;
     let res = tokio::task::block_in_place(|| {
         lock(&ctx.shared.store).journal.insert(&NewEffect {
             status: Some(403),
             error: Some(&why),
-            ..unkeyed(reg, method, url, dest, "deny-in-children", State::Refused)
+            ..unkeyed(reg, method, url, dest, policy, State::Refused)
         })
     });
     if let Err(e) = res {
@@ -860,6 +1033,9 @@ struct Upstream {
     path: String,
     authority: String,
     dest: String,
+    /// The destination's addresses, resolved and checked (egress): the
+    /// connection goes to one of these, never to a fresh resolution.
+    addrs: Vec<std::net::SocketAddr>,
     headers: HeaderMap,
     body: Bytes,
 }
@@ -867,12 +1043,10 @@ struct Upstream {
 /// Connects to the destination; `Err` means nothing was sent.
 async fn connect(
     opts: &Options,
-    dest: &str,
+    up: &Upstream,
 ) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, String> {
-    let tcp = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(dest))
-        .await
-        .map_err(|_| format!("connecting to {dest} timed out"))?
-        .map_err(|e| format!("cannot connect to {dest}: {e}"))?;
+    let dest = &up.dest;
+    let tcp = egress::connect(&up.addrs, dest, opts.connect_timeout).await?;
     let _ = tcp.set_nodelay(true);
     let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
         .await
@@ -908,7 +1082,7 @@ async fn pass(ctx: &ConnCtx, up: Upstream, method: &str, url: &str) -> Response<
     let opts = &ctx.shared.opts;
     let reg = &ctx.branch.reg;
     let res = async {
-        let mut send = connect(opts, &up.dest).await?;
+        let mut send = connect(opts, &up).await?;
         let req = upstream_request(&up)?;
         tokio::time::timeout(opts.upstream_timeout, send.send_request(req))
             .await
@@ -1443,7 +1617,7 @@ async fn execute(
         });
         tx.send_replace(Some(Arc::new(o)));
     };
-    let mut send = match connect(&opts, &up.dest).await {
+    let mut send = match connect(&opts, &up).await {
         Ok(s) => s,
         Err(e) => {
             finish(Outcome::Unsent(e), &|j| j.delete_unsent(id));
@@ -1582,19 +1756,17 @@ async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
     if reg.effects.policy_for(&host, port, true) == EffectPolicy::DenyInChildren && reg.is_child() {
         return refuse(ctx, "CONNECT", &url, &dest);
     }
+    let addrs = match ctx.egress().resolve(&host, port).await {
+        Ok(a) => a,
+        Err(d) => return denied(ctx, "CONNECT", &url, &dest, d),
+    };
     let opts = &ctx.shared.opts;
-    let tcp = match tokio::time::timeout(opts.connect_timeout, TcpStream::connect(&dest)).await {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
+    let tcp = match egress::connect(&addrs, &dest, opts.connect_timeout).await {
+        Ok(t) => t,
+        Err(e) => {
             return text(
                 StatusCode::BAD_GATEWAY,
-                format!("tine effects gateway: cannot connect to {dest}: {e}"),
-            )
-        }
-        Err(_) => {
-            return text(
-                StatusCode::GATEWAY_TIMEOUT,
-                format!("tine effects gateway: connecting to {dest} timed out"),
+                format!("tine effects gateway: {e}"),
             )
         }
     };

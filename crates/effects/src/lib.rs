@@ -12,6 +12,7 @@
 //!   bracket a moment, list, resolve).
 
 pub mod control;
+pub mod egress;
 pub mod gateway;
 pub mod journal;
 
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use contract::{EffectPolicy, Effects};
+pub use contract::{EffectPolicy, Effects, Egress, Network};
 
 /// The vsock port guests send proxy connections to (CID 2, the host).
 pub const PROXY_PORT: u32 = 3128;
@@ -105,6 +106,10 @@ pub struct Registration {
     /// Policies (the vm's contract's `[effects]`).
     #[serde(default)]
     pub effects: Effects,
+    /// Egress (the vm's contract's `[network]`): a child whose contract
+    /// denies egress reaches only its allow-list through the gateway too.
+    #[serde(default)]
+    pub network: Network,
 }
 
 impl Registration {

@@ -74,12 +74,15 @@ fn call(h: &Host, req: Request) -> crate::Result<control::Reply> {
 }
 
 fn registration(vm: &VmDir, r: &VmRecord) -> crate::Result<Registration> {
+    let c = vm.read_contract()?;
     Ok(Registration {
         branch: r.branch.clone(),
         vm: vm.name.clone(),
         socket: proxy_socket(vm),
         lineage: r.lineage.clone(),
-        effects: vm.read_contract()?.effects,
+        effects: c.effects,
+        // The gateway applies the contract's egress as the tap does.
+        network: c.network,
     })
 }
 

@@ -173,6 +173,10 @@ async fn answer(
     r
 }
 
+/// What the tests' gateways may reach on the host: the test servers, on
+/// 127.0.0.1 (the knob a host sets explicitly; unset, loopback is refused).
+pub const TEST_ALLOW_PRIVATE: &str = "127.0.0.1";
+
 /// A gateway process over a temporary TINE_HOME.
 pub struct Gateway {
     pub home: TempDir,
@@ -180,6 +184,9 @@ pub struct Gateway {
     pub child: Option<Child>,
     /// `TINE_META` for the process (None: its own SQLite journal).
     pub meta: Option<String>,
+    /// `TINE_GATEWAY_ALLOW_PRIVATE` for the process (None: unset, the
+    /// production default). The test servers listen on 127.0.0.1.
+    pub allow_private: Option<String>,
 }
 
 impl Gateway {
@@ -189,6 +196,11 @@ impl Gateway {
 
     /// A gateway whose journal is `meta` (a postgres URL: a host of a fleet).
     pub fn start_meta(meta: Option<&str>) -> Self {
+        Gateway::start_with(meta, Some(TEST_ALLOW_PRIVATE))
+    }
+
+    /// A gateway with its journal `meta` and host setting `allow_private`.
+    pub fn start_with(meta: Option<&str>, allow_private: Option<&str>) -> Self {
         let home = TempDir::new("gw");
         let paths = Paths::new(&home.0);
         let mut g = Gateway {
@@ -196,6 +208,7 @@ impl Gateway {
             paths,
             child: None,
             meta: meta.map(str::to_string),
+            allow_private: allow_private.map(str::to_string),
         };
         g.spawn(None);
         g
@@ -215,6 +228,10 @@ impl Gateway {
         match &self.meta {
             Some(m) => cmd.env(effects::journal::META_ENV, m),
             None => cmd.env_remove(effects::journal::META_ENV),
+        };
+        match &self.allow_private {
+            Some(a) => cmd.env(effects::egress::ALLOW_PRIVATE_ENV, a),
+            None => cmd.env_remove(effects::egress::ALLOW_PRIVATE_ENV),
         };
         // Each gateway's home is a host: its id from its own home.
         cmd.env_remove("TINE_HOST_ID");
@@ -276,6 +293,7 @@ impl Gateway {
             socket: self.socket(vm),
             lineage: vec![],
             effects,
+            network: Default::default(),
         };
         self.call(Request::Register { reg: reg.clone() });
         reg
@@ -303,6 +321,7 @@ impl Gateway {
                 socket: self.socket(n),
                 lineage: lineage.clone(),
                 effects: parent.effects.clone(),
+                network: parent.network.clone(),
             })
             .collect();
         self.call(Request::MomentDone {
@@ -351,6 +370,7 @@ impl Gateway {
                     socket: onto.socket(n),
                     lineage: lineage.clone(),
                     effects: parent.effects.clone(),
+                    network: parent.network.clone(),
                 };
                 onto.call(Request::Register { reg: reg.clone() });
                 reg
