@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use contract::{EffectPolicy, Effects, Egress, Network};
+pub use contract::{EffectPolicy, Effects, Egress, Https, Network};
 
 /// The vsock port guests send proxy connections to (CID 2, the host).
 pub const PROXY_PORT: u32 = 3128;
