@@ -35,13 +35,14 @@ use hyper::body::{Body, Frame, Incoming};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::AsyncWriteExt;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::control::{self, Reply};
 use crate::egress::{self, Denied};
 use crate::journal::{EffectRow, Journal, NewEffect, State};
+use crate::tls;
 use crate::{EffectPolicy, Error, MomentKind, Paths, Registration};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -78,6 +79,8 @@ pub struct Options {
     /// Host networks the gateway may reach although they are the host's
     /// own ([`egress::ALLOW_PRIVATE_ENV`]; tests only).
     pub allow_private: Vec<egress::HostRule>,
+    /// Extra roots for destinations' certificates ([`tls::EXTRA_ROOTS_ENV`]).
+    pub extra_roots: Option<PathBuf>,
 }
 
 impl Options {
@@ -91,6 +94,7 @@ impl Options {
             fault_after_response: std::env::var(FAULT_ENV).as_deref()
                 == Ok("after-response-before-journal"),
             allow_private: Vec::new(),
+            extra_roots: None,
         }
     }
 
@@ -101,6 +105,12 @@ impl Options {
         let mut o = Options::new(home);
         if let Ok(v) = std::env::var(egress::ALLOW_PRIVATE_ENV) {
             o.allow_private = egress::HostRule::parse_list(&v).map_err(Error::Gateway)?;
+        }
+        if let Some(p) = std::env::var_os(tls::EXTRA_ROOTS_ENV).filter(|v| !v.is_empty()) {
+            let p = PathBuf::from(p);
+            tls::read_roots(&p)
+                .map_err(|e| Error::Gateway(format!("{}: {e}", tls::EXTRA_ROOTS_ENV)))?;
+            o.extra_roots = Some(p);
         }
         Ok(o)
     }
@@ -168,6 +178,8 @@ struct Branch {
 struct Shared {
     opts: Options,
     paths: Paths,
+    /// HTTPS interception (CA, leaves, roots), made on first use.
+    tls: tls::Tls,
     store: Mutex<Store>,
     branches: Mutex<HashMap<String, Arc<Branch>>>,
     next_conn: AtomicU64,
@@ -221,6 +233,7 @@ pub fn serve(opts: Options) -> Result<(), Error> {
         .build()
         .map_err(|e| Error::Io("tokio runtime".into(), e))?;
     let shared = Arc::new(Shared {
+        tls: tls::Tls::new(&paths, opts.extra_roots.clone()),
         opts,
         paths: paths.clone(),
         store: Mutex::new(Store {
@@ -650,6 +663,9 @@ struct ConnCtx {
     branch: Arc<Branch>,
     id: u64,
     ticket: Mutex<Option<Ticket>>,
+    /// An intercepted CONNECT's inner HTTP connection (whether it ended
+    /// cleanly): the connection's end, and its release, wait for it.
+    inner: Mutex<Option<tokio::task::JoinHandle<bool>>>,
 }
 
 impl ConnCtx {
@@ -669,6 +685,7 @@ async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixSt
         branch: branch.clone(),
         id,
         ticket: Mutex::new(None),
+        inner: Mutex::new(None),
     });
     let c2 = ctx.clone();
     let svc = hyper::service::service_fn(move |req| {
@@ -685,9 +702,14 @@ async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixSt
         .serve_connection(TokioIo::new(s), svc)
         .with_upgrades()
         .await;
+    let inner = take(&ctx.inner);
+    let clean = match inner {
+        Some(h) => h.await.unwrap_or(false),
+        None => res.is_ok(),
+    };
     let ticket = lock(&ctx.ticket).take();
     if let Some(t) = ticket {
-        if res.is_ok() {
+        if clean {
             release(&ctx, &t).await;
         }
         let mut st = lock(&branch.state);
@@ -844,6 +866,82 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
             )
         }
     };
+    let target = Target {
+        url: uri.to_string(),
+        authority: uri
+            .authority()
+            .map(|a| a.as_str().to_string())
+            .unwrap_or_else(|| format!("{host}:{port}")),
+        host,
+        port,
+        tls: false,
+        addrs: None,
+    };
+    forward(ctx, req, target).await
+}
+
+/// Where a request goes: from its absolute URL (plain HTTP) or from the
+/// CONNECT it came through (intercepted HTTPS).
+struct Target {
+    host: String,
+    port: u16,
+    /// The URL as journaled (and hashed): `http://...` or `https://...`.
+    url: String,
+    /// Host header if the request has none.
+    authority: String,
+    /// TLS to the destination (verified against the host's roots).
+    tls: bool,
+    /// Checked at the CONNECT already (the connection goes there).
+    addrs: Option<Vec<std::net::SocketAddr>>,
+}
+
+/// A request inside an intercepted CONNECT to `host:port`: origin-form
+/// (`GET /path`), for that destination only.
+async fn handle_https(
+    ctx: Arc<ConnCtx>,
+    req: Request<Incoming>,
+    host: String,
+    port: u16,
+    addrs: Vec<std::net::SocketAddr>,
+) -> Response<RespBody> {
+    if req.method() == Method::CONNECT {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "tine effects gateway: CONNECT inside an intercepted CONNECT",
+        );
+    }
+    let authority = if port == 443 {
+        host.clone()
+    } else {
+        format!("{host}:{port}")
+    };
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let target = Target {
+        url: format!("https://{authority}{path}"),
+        authority,
+        host,
+        port,
+        tls: true,
+        addrs: Some(addrs),
+    };
+    forward(ctx, req, target).await
+}
+
+/// The policy, the egress check and the effect of one request.
+async fn forward(ctx: Arc<ConnCtx>, req: Request<Incoming>, target: Target) -> Response<RespBody> {
+    let Target {
+        host,
+        port,
+        url,
+        authority,
+        tls,
+        addrs,
+    } = target;
+    let uri = req.uri().clone();
     let dest = format!("{host}:{port}");
     let reg = &ctx.branch.reg;
     let safe = matches!(
@@ -852,13 +950,15 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
     );
     let policy = reg.effects.policy_for(&host, port, safe);
     let method = req.method().to_string();
-    let url = uri.to_string();
     if policy == EffectPolicy::DenyInChildren && reg.is_child() {
         return refuse(&ctx, &method, &url, &dest);
     }
-    let addrs = match ctx.egress().resolve(&host, port).await {
-        Ok(a) => a,
-        Err(d) => return denied(&ctx, &method, &url, &dest, d),
+    let addrs = match addrs {
+        Some(a) => a,
+        None => match ctx.egress().resolve(&host, port).await {
+            Ok(a) => a,
+            Err(d) => return denied(&ctx, &method, &url, &dest, d),
+        },
     };
     let policy = match policy {
         EffectPolicy::DenyInChildren if safe => EffectPolicy::Pass,
@@ -910,10 +1010,12 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
             .path_and_query()
             .map(|p| p.as_str().to_string())
             .unwrap_or_else(|| "/".into()),
-        authority: uri
-            .authority()
-            .map(|a| a.as_str().to_string())
-            .unwrap_or_else(|| dest.clone()),
+        authority,
+        tls: tls.then(|| {
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string()
+        }),
         dest: dest.clone(),
         addrs,
         headers: end_to_end(&parts.headers),
@@ -1032,6 +1134,8 @@ struct Upstream {
     method: Method,
     path: String,
     authority: String,
+    /// TLS to the destination, with this server name.
+    tls: Option<String>,
     dest: String,
     /// The destination's addresses, resolved and checked (egress): the
     /// connection goes to one of these, never to a fresh resolution.
@@ -1042,13 +1146,43 @@ struct Upstream {
 
 /// Connects to the destination; `Err` means nothing was sent.
 async fn connect(
-    opts: &Options,
+    shared: &Shared,
     up: &Upstream,
 ) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, String> {
     let dest = &up.dest;
-    let tcp = egress::connect(&up.addrs, dest, opts.connect_timeout).await?;
+    let timeout = shared.opts.connect_timeout;
+    let tcp = egress::connect(&up.addrs, dest, timeout).await?;
     let _ = tcp.set_nodelay(true);
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+    let Some(name) = &up.tls else {
+        return handshake(TokioIo::new(tcp), dest).await;
+    };
+    // Verified against the host's roots: a destination whose certificate
+    // does not verify is never sent the request.
+    let config = shared.tls.client()?;
+    let server = rustls::pki_types::ServerName::try_from(name.clone())
+        .map_err(|e| format!("{name:?} is not a TLS server name: {e}"))?;
+    let tls = tokio::time::timeout(
+        timeout,
+        tokio_rustls::TlsConnector::from(config).connect(server, tcp),
+    )
+    .await
+    .map_err(|_| format!("the TLS handshake with {dest} timed out"))?
+    .map_err(|e| {
+        format!(
+            "TLS to {dest} failed, its certificate was not accepted or the handshake broke: {e}"
+        )
+    })?;
+    handshake(TokioIo::new(tls), dest).await
+}
+
+async fn handshake<T>(
+    io: T,
+    dest: &str,
+) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, String>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (send, conn) = hyper::client::conn::http1::handshake(io)
         .await
         .map_err(|e| format!("cannot talk HTTP to {dest}: {e}"))?;
     tokio::spawn(async move {
@@ -1082,7 +1216,7 @@ async fn pass(ctx: &ConnCtx, up: Upstream, method: &str, url: &str) -> Response<
     let opts = &ctx.shared.opts;
     let reg = &ctx.branch.reg;
     let res = async {
-        let mut send = connect(opts, &up).await?;
+        let mut send = connect(&ctx.shared, &up).await?;
         let req = upstream_request(&up)?;
         tokio::time::timeout(opts.upstream_timeout, send.send_request(req))
             .await
@@ -1617,7 +1751,7 @@ async fn execute(
         });
         tx.send_replace(Some(Arc::new(o)));
     };
-    let mut send = match connect(&opts, &up).await {
+    let mut send = match connect(&shared, &up).await {
         Ok(s) => s,
         Err(e) => {
             finish(Outcome::Unsent(e), &|j| j.delete_unsent(id));
@@ -1736,7 +1870,7 @@ async fn too_large(
 }
 
 /// CONNECT: a TLS tunnel, journaled by destination, never replayed.
-async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
+async fn tunnel(ctx: &Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody> {
     let Some(auth) = req.uri().authority().cloned() else {
         return text(
             StatusCode::BAD_REQUEST,
@@ -1760,6 +1894,9 @@ async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
         Ok(a) => a,
         Err(d) => return denied(ctx, "CONNECT", &url, &dest, d),
     };
+    if reg.effects.https == crate::Https::Intercept {
+        return intercept(ctx, req, host, port, addrs);
+    }
     let opts = &ctx.shared.opts;
     let tcp = match egress::connect(&addrs, &dest, opts.connect_timeout).await {
         Ok(t) => t,
@@ -1785,16 +1922,160 @@ async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
         let Ok(up) = hyper::upgrade::on(req).await else {
             return;
         };
-        let mut guest = TokioIo::new(up);
-        let mut tcp = tcp;
-        let (a, b) = tokio::io::copy_bidirectional(&mut guest, &mut tcp)
-            .await
-            .unwrap_or((0, 0));
-        if let Some(id) = row {
-            tokio::task::spawn_blocking(move || {
-                let _ = lock(&shared.store).journal.set_bytes(id, a, b);
-            });
-        }
+        pipe(shared, row, TokioIo::new(up), tcp).await;
     });
     Response::new(full(Bytes::new()))
+}
+
+/// Pipes a tunnel's bytes both ways; its journal row gets how many.
+async fn pipe<G>(shared: Arc<Shared>, row: Option<i64>, mut guest: G, mut tcp: TcpStream)
+where
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let (a, b) = tokio::io::copy_bidirectional(&mut guest, &mut tcp)
+        .await
+        .unwrap_or((0, 0));
+    if let Some(id) = row {
+        tokio::task::spawn_blocking(move || {
+            let _ = lock(&shared.store).journal.set_bytes(id, a, b);
+        });
+    }
+}
+
+/// The first byte of a TLS connection (a handshake record).
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// An intercepted CONNECT (`effects.https = "intercept"`): `200`, then the
+/// guest's TLS ends here with a certificate for `host` from this host's CA,
+/// and each request inside goes through [`forward`] like plain HTTP (with
+/// TLS to the destination, to the addresses checked now). What is not TLS
+/// (the first byte says) is tunneled as before.
+fn intercept(
+    ctx: &Arc<ConnCtx>,
+    req: Request<Incoming>,
+    host: String,
+    port: u16,
+    addrs: Vec<std::net::SocketAddr>,
+) -> Response<RespBody> {
+    let name = host.trim_start_matches('[').trim_end_matches(']');
+    let server =
+        match ctx.shared.tls.server(name) {
+            Ok(s) => s,
+            Err(e) => return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "tine effects gateway: cannot intercept HTTPS to {host}: {e}; nothing was sent"
+                ),
+            ),
+        };
+    let c = ctx.clone();
+    let task = tokio::spawn(async move {
+        let Ok(up) = hyper::upgrade::on(req).await else {
+            return false;
+        };
+        let mut io = TokioIo::new(up);
+        let mut first = [0u8; 1];
+        let n = match tokio::time::timeout(Duration::from_secs(60), io.read(&mut first)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return false,
+        };
+        let io = Prefixed {
+            prefix: Bytes::copy_from_slice(&first[..n]),
+            inner: io,
+        };
+        if first[0] != TLS_HANDSHAKE {
+            tunnel_after(c, io, host, port, addrs).await;
+            return false;
+        }
+        // A guest that does not trust the CA ends the handshake: nothing
+        // was sent (and nothing is logged: a guest must not fill the log).
+        let Ok(tls) = tokio_rustls::TlsAcceptor::from(server).accept(io).await else {
+            return false;
+        };
+        let svc = hyper::service::service_fn(move |req| {
+            let (c, host, addrs) = (c.clone(), host.clone(), addrs.clone());
+            async move { Ok::<_, Infallible>(handle_https(c, req, host, port, addrs).await) }
+        });
+        hyper::server::conn::http1::Builder::new()
+            .keep_alive(false)
+            .timer(TokioTimer::new())
+            .header_read_timeout(Duration::from_secs(60))
+            .serve_connection(TokioIo::new(tls), svc)
+            .await
+            .is_ok()
+    });
+    *lock(&ctx.inner) = Some(task);
+    Response::new(full(Bytes::new()))
+}
+
+/// What came through an intercepting CONNECT but is not TLS: tunneled and
+/// journaled by destination, as without interception.
+async fn tunnel_after<G>(
+    ctx: Arc<ConnCtx>,
+    guest: G,
+    host: String,
+    port: u16,
+    addrs: Vec<std::net::SocketAddr>,
+) where
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let dest = format!("{host}:{port}");
+    let Ok(tcp) = egress::connect(&addrs, &dest, ctx.shared.opts.connect_timeout).await else {
+        return;
+    };
+    let url = format!("https://{dest}");
+    let row = tokio::task::block_in_place(|| {
+        lock(&ctx.shared.store).journal.insert(&NewEffect {
+            status: Some(200),
+            ..unkeyed(
+                &ctx.branch.reg,
+                "CONNECT",
+                &url,
+                &dest,
+                "pass",
+                State::Tunnel,
+            )
+        })
+    });
+    if let Ok(row) = row {
+        pipe(ctx.shared.clone(), row, guest, tcp).await;
+    }
+}
+
+/// A stream with bytes already read from it put back in front.
+struct Prefixed<T> {
+    prefix: Bytes,
+    inner: T,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            let head = self.prefix.split_to(n);
+            buf.put_slice(&head);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }

@@ -8,6 +8,9 @@
 //!   CONNECT tunnels, and a control socket for the CLI.
 //! - [`journal`]: the journal, in SQLite or in a PostgreSQL database that
 //!   the hosts of a fleet share (`TINE_META`).
+//! - [`egress`]: where a branch may connect (the contract's `[network]`,
+//!   never the host itself).
+//! - [`tls`]: HTTPS interception (`effects.https = "intercept"`).
 //! - [`control`]: the control protocol and its client (register a vm,
 //!   bracket a moment, list, resolve).
 
@@ -15,6 +18,7 @@ pub mod control;
 pub mod egress;
 pub mod gateway;
 pub mod journal;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 
@@ -161,6 +165,10 @@ impl Paths {
     }
     pub fn log(&self) -> PathBuf {
         self.dir.join("gateway.log")
+    }
+    /// The CA of intercepted HTTPS: certificate and key (0600).
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("ca.pem")
     }
 
     /// This host's id, as the fleet knows it: `TINE_HOST_ID`, else the one
