@@ -1958,16 +1958,17 @@ fn intercept(
     addrs: Vec<std::net::SocketAddr>,
 ) -> Response<RespBody> {
     let name = host.trim_start_matches('[').trim_end_matches(']');
-    let server =
-        match ctx.shared.tls.server(name) {
-            Ok(s) => s,
-            Err(e) => return text(
+    let server = match ctx.shared.tls.server(name) {
+        Ok(s) => s,
+        Err(e) => {
+            return text(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!(
                     "tine effects gateway: cannot intercept HTTPS to {host}: {e}; nothing was sent"
                 ),
-            ),
-        };
+            )
+        }
+    };
     let c = ctx.clone();
     let task = tokio::spawn(async move {
         let Ok(up) = hyper::upgrade::on(req).await else {
