@@ -407,10 +407,16 @@ mod tests {
         let toml = "[effects]\nhttps = \"intercept\"\n";
         let pem = ca_for_wake(&vm, toml).expect("ca").expect("some");
         assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"), "{pem}");
-        assert!(!pem.contains("PRIVATE KEY"), "the key never leaves the host");
+        assert!(
+            !pem.contains("PRIVATE KEY"),
+            "the key never leaves the host"
+        );
         assert_eq!(ca_for_wake(&vm, toml).expect("again"), Some(pem));
         let ca = Paths::new(home.path()).ca();
-        let mode = std::fs::metadata(&ca).expect("ca file").permissions().mode();
+        let mode = std::fs::metadata(&ca)
+            .expect("ca file")
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
     }
 }
