@@ -158,6 +158,8 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
         });
     }
     step(&mut steps, "contract".into(), || contract(w, ctx));
+    // Before the thaw: the workload never runs without the gateway's CA.
+    step(&mut steps, "ca".into(), || ca(w, ctx));
     step(&mut steps, "thaw".into(), || match frozen {
         Some(f) => quiesce::thaw(f).map(Done::Ok),
         None => Ok(Done::Skipped("not quiesced".into())),
@@ -624,6 +626,79 @@ fn contract(w: &Wake, ctx: &Ctx) -> StepResult {
     Ok(Done::Ok(format!(
         "{RUN_DIR}/contract.toml ({} bytes) and {RUN_DIR}/wake.env written",
         w.contract_toml.len()
+    )))
+}
+
+/// Where the effects gateway's CA goes (Debian's local CA directory,
+/// which `update-ca-certificates` reads).
+pub const CA_FILE: &str = "/usr/local/share/ca-certificates/tine-effects.crt";
+/// The system bundle most TLS clients read (OpenSSL, curl, Go, Python).
+pub const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+const CA_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Installs the effects gateway's CA into the guest's trust store when the
+/// gateway intercepts HTTPS: the file for `update-ca-certificates`, run
+/// where it is installed, else appended to the bundle. A copy that has it
+/// already (a fork's child) is left alone.
+fn ca(w: &Wake, ctx: &Ctx) -> StepResult {
+    let Some(pem) = &w.ca_pem else {
+        return Ok(Done::Skipped("the gateway does not intercept HTTPS".into()));
+    };
+    let pem = pem.trim();
+    if !pem.starts_with("-----BEGIN CERTIFICATE-----")
+        || !pem.ends_with("-----END CERTIFICATE-----")
+        || pem.len() > 64 << 10
+    {
+        return Err("ca_pem is not one PEM certificate".into());
+    }
+    let pem = format!("{pem}\n");
+    let file = ctx.path(CA_FILE)?;
+    let bundle = ctx.path(CA_BUNDLE)?;
+    let in_bundle = || fs::read_to_string(&bundle).is_ok_and(|b| b.contains(pem.trim()));
+    if fs::read_to_string(&file).is_ok_and(|f| f == pem) && (in_bundle() || !bundle.exists()) {
+        return Ok(Done::Skipped(format!("{CA_FILE} is installed already")));
+    }
+    if let Some(dir) = file.parent() {
+        fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    write_atomic(&file, pem.as_bytes(), 0o644)?;
+    let tool = [
+        "/usr/sbin/update-ca-certificates",
+        "/usr/bin/update-ca-certificates",
+    ]
+    .into_iter()
+    .map(|p| ctx.path(p))
+    .filter_map(Result::ok)
+    .find(|p| p.exists());
+    if let (Some(tool), false) = (&tool, ctx.sandbox()) {
+        let out = run(&mut Command::new(tool), CA_TIMEOUT)
+            .map_err(|e| format!("cannot run {}: {e}", tool.display()))?;
+        if !out.success() {
+            return Err(format!("update-ca-certificates failed: {}", out.describe()));
+        }
+        if in_bundle() || !bundle.exists() {
+            return Ok(Done::Ok(format!(
+                "{CA_FILE} written, update-ca-certificates ran"
+            )));
+        }
+    }
+    if in_bundle() {
+        return Ok(Done::Ok(format!("{CA_FILE} written ({CA_BUNDLE} has it)")));
+    }
+    if !bundle.exists() {
+        return Ok(Done::Ok(format!(
+            "{CA_FILE} written; there is no {CA_BUNDLE} to add it to"
+        )));
+    }
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(&bundle)
+        .map_err(|e| format!("{CA_BUNDLE}: {e}"))?;
+    f.write_all(format!("\n{pem}").as_bytes())
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("{CA_BUNDLE}: {e}"))?;
+    Ok(Done::Ok(format!(
+        "{CA_FILE} written, appended to {CA_BUNDLE}"
     )))
 }
 

@@ -98,6 +98,7 @@ fn base_wake() -> Wake {
         run_hooks: true,
         hook_timeout_ms: 10_000,
         contract_toml: "randomness = \"secure\"\n".into(),
+        ca_pem: None,
     }
 }
 
@@ -193,6 +194,7 @@ fn test_full_wake_in_sandbox() {
             "secret:gone",
             "secret:api",
             "contract",
+            "ca",
             "thaw",
             "hook:10-first",
             "hook:20-second",
@@ -458,4 +460,47 @@ fn test_exec_after_quiesce_in_sandbox_still_runs() {
     .expect("exec");
     assert_eq!(exit.code, Some(0));
     assert_eq!(out, b"hi\n");
+}
+
+/// The effects gateway's CA (a contract with `effects.https =
+/// "intercept"`): written for update-ca-certificates and added to the
+/// bundle once; a child that has it already is left alone; junk is a
+/// failed step, not a trust-store entry.
+#[test]
+fn test_gateway_ca_goes_into_the_trust_store_once() {
+    let a = Sandbox::start();
+    let bundle = "/etc/ssl/certs/ca-certificates.crt";
+    a.put(
+        bundle,
+        "-----BEGIN CERTIFICATE-----\nSYSTEM\n-----END CERTIFICATE-----\n",
+        0o644,
+    );
+    let pem = "-----BEGIN CERTIFICATE-----\nTINECA\n-----END CERTIFICATE-----\n";
+    let w = Wake {
+        ca_pem: Some(pem.into()),
+        ..base_wake()
+    };
+    let r = a.wake(w.clone());
+    let s = step(&r, "ca");
+    assert_eq!(s.status, StepStatus::Ok, "{s:?}");
+    let file = "/usr/local/share/ca-certificates/tine-effects.crt";
+    assert_eq!(fs::read_to_string(a.at(file)).expect("ca file"), pem);
+    let b = fs::read_to_string(a.at(bundle)).expect("bundle");
+    assert!(b.starts_with("-----BEGIN CERTIFICATE-----\nSYSTEM"), "{b}");
+    assert_eq!(b.matches("TINECA").count(), 1, "{b}");
+    let r = a.wake(w);
+    assert_eq!(
+        step(&r, "ca").status,
+        StepStatus::Skipped,
+        "installed already"
+    );
+    let b = fs::read_to_string(a.at(bundle)).expect("bundle");
+    assert_eq!(b.matches("TINECA").count(), 1, "not added twice: {b}");
+    let r = a.wake(Wake {
+        ca_pem: Some("#!/bin/sh\nrm -rf /\n".into()),
+        ..base_wake()
+    });
+    assert_eq!(step(&r, "ca").status, StepStatus::Failed);
+    let r = a.wake(base_wake());
+    assert_eq!(step(&r, "ca").status, StepStatus::Skipped, "not asked for");
 }

@@ -28,6 +28,7 @@
 //!
 //! [effects]                      # the effects gateway (docs/design/effects.md)
 //! max_response_bytes = 1048576   # responses kept for replay, at most
+//! https = "tunnel"               # tunnel | intercept (TLS ends at the gateway: journaled like HTTP)
 //! [effects.destinations]         # host, host:port, *.suffix[:port] or *
 //! "api.example.com" = "once-per-tree"   # once-per-tree | per-branch | deny-in-children | pass
 //! ```
@@ -181,6 +182,19 @@ impl std::fmt::Display for EffectPolicy {
     }
 }
 
+/// What the gateway does with a guest's HTTPS (CONNECT).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Https {
+    /// Bytes are tunneled: journaled by destination, never replayed.
+    #[default]
+    Tunnel,
+    /// TLS ends at the gateway (its CA is installed in the guest at wake),
+    /// which opens its own verified TLS to the destination: requests are
+    /// journaled and replayed exactly like plain HTTP.
+    Intercept,
+}
+
 /// The `[effects]` section: policies of the effects gateway.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -193,6 +207,13 @@ pub struct Effects {
     /// `*.suffix:port` or `*`) to policy; the most specific match wins.
     #[serde(default)]
     pub destinations: BTreeMap<String, EffectPolicy>,
+    /// HTTPS: tunneled (default) or intercepted by the gateway.
+    #[serde(default, skip_serializing_if = "is_tunnel")]
+    pub https: Https,
+}
+
+fn is_tunnel(h: &Https) -> bool {
+    *h == Https::Tunnel
 }
 
 impl Default for Effects {
@@ -200,6 +221,7 @@ impl Default for Effects {
         Effects {
             max_response_bytes: default_max_response(),
             destinations: BTreeMap::new(),
+            https: Https::Tunnel,
         }
     }
 }
@@ -562,6 +584,11 @@ max_response_bytes = 4096
         .expect("parse");
         let e = &c.effects;
         assert_eq!(e.max_response_bytes, 4096);
+        assert_eq!(e.https, Https::Tunnel);
+        let i = Contract::parse("[effects]\nhttps = \"intercept\"").expect("intercept");
+        assert_eq!(i.effects.https, Https::Intercept);
+        assert_eq!(Contract::parse(&i.to_toml()).expect("again"), i);
+        assert!(Contract::parse("[effects]\nhttps = \"sniff\"").is_err());
         assert_eq!(e.policy_for("api.example.com", 8443, false), OncePerTree);
         assert_eq!(e.policy_for("API.example.com", 80, false), Pass);
         assert_eq!(e.policy_for("x.example.com", 80, false), DenyInChildren);

@@ -17,7 +17,7 @@ use effects::journal::{Journal, NewEffect, State};
 use effects::{Paths, Registration};
 use http_body_util::{BodyExt, Full};
 
-fn server() -> u16 {
+fn server(tls: Option<tokio_rustls::TlsAcceptor>) -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     l.set_nonblocking(true).expect("nonblocking");
     let port = l.local_addr().expect("addr").port();
@@ -34,6 +34,7 @@ fn server() -> u16 {
                     continue;
                 };
                 let _ = s.set_nodelay(true);
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(
                         |req: hyper::Request<hyper::body::Incoming>| async move {
@@ -43,9 +44,20 @@ fn server() -> u16 {
                             )))
                         },
                     );
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                        .await;
+                    let b = hyper::server::conn::http1::Builder::new();
+                    let _ = match tls {
+                        None => {
+                            b.serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                                .await
+                        }
+                        Some(a) => match a.accept(s).await {
+                            Ok(t) => {
+                                b.serve_connection(hyper_util::rt::TokioIo::new(t), svc)
+                                    .await
+                            }
+                            Err(_) => Ok(()),
+                        },
+                    };
                 });
             }
         });
@@ -97,6 +109,112 @@ fn proxied(sock: &Path, method: &str, port: u16, body: &str, key: Option<&str>) 
     t.elapsed()
 }
 
+/// A test CA (its PEM in `ca_file`) and a server certificate for
+/// 127.0.0.1 signed by it.
+fn test_tls(ca_file: &Path) -> tokio_rustls::TlsAcceptor {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name
+        .push(DnType::CommonName, "bench upstream CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).expect("ca");
+    std::fs::write(ca_file, ca_cert.pem()).expect("ca file");
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().expect("key");
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .expect("params")
+        .signed_by(&key, &issuer)
+        .expect("leaf");
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
+    let c = rustls::ServerConfig::builder_with_provider(effects::tls::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der().clone(), ca_cert.der().clone()], key)
+        .expect("config");
+    tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(c))
+}
+
+/// A client trusting the CA in `pem` (one per run, as one program's).
+fn client(pem: &str) -> std::sync::Arc<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes()) {
+        roots.add(c.expect("pem")).expect("root");
+    }
+    std::sync::Arc::new(
+        rustls::ClientConfig::builder_with_provider(effects::tls::provider())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
+/// One HTTPS POST over `s` (TLS to 127.0.0.1 with `config`).
+fn tls_post<S: Read + Write>(
+    s: S,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    body: &str,
+    key: Option<&str>,
+) {
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let conn = rustls::ClientConnection::new(config.clone(), name).expect("tls");
+    let mut tls = rustls::StreamOwned::new(conn, s);
+    let key = key
+        .map(|k| format!("Idempotency-Key: {k}\r\n"))
+        .unwrap_or_default();
+    let req = format!(
+        "POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{key}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(req.as_bytes()).expect("write");
+    let out = read_all(&mut tls);
+    assert!(
+        out.starts_with(b"HTTP/1.1 200"),
+        "https: {}",
+        String::from_utf8_lossy(&out)
+    );
+}
+
+fn https_direct(port: u16, config: &std::sync::Arc<rustls::ClientConfig>) -> Duration {
+    let t = Instant::now();
+    let s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let _ = s.set_nodelay(true);
+    tls_post(s, config, "pay", None);
+    t.elapsed()
+}
+
+/// CONNECT through the gateway, then HTTPS to its interception.
+fn https_proxied(
+    sock: &Path,
+    port: u16,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    body: &str,
+    key: Option<&str>,
+) -> Duration {
+    let t = Instant::now();
+    let mut s = UnixStream::connect(sock).expect("connect");
+    s.write_all(
+        format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes(),
+    )
+    .expect("write");
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut b).expect("read"), 1, "CONNECT answer cut");
+        head.push(b[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    tls_post(s, config, body, key);
+    t.elapsed()
+}
+
 fn median_us(mut v: Vec<Duration>) -> f64 {
     v.sort();
     v[v.len() / 2].as_secs_f64() * 1e6
@@ -109,6 +227,9 @@ fn main() {
     let home = std::env::temp_dir().join(format!("tine-bench-effects-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&home);
     std::fs::create_dir_all(home.join("vms/b")).expect("home");
+    std::fs::create_dir_all(home.join("vms/h")).expect("home");
+    let upstream_ca = home.join("upstream-ca.pem");
+    let acceptor = test_tls(&upstream_ca);
     // Journal commits alone (each one fsynced: synchronous=FULL).
     let jpath = home.join("bench-journal.db");
     let mut j = Journal::open(&jpath).expect("journal");
@@ -153,6 +274,9 @@ fn main() {
     let mut gw = Command::new(gw_bin)
         .arg("--home")
         .arg(&home)
+        // The bench's servers are on the host's loopback, with a test CA.
+        .env(effects::egress::ALLOW_PRIVATE_ENV, "127.0.0.1")
+        .env(effects::tls::EXTRA_ROOTS_ENV, &upstream_ca)
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -172,6 +296,7 @@ fn main() {
         socket: sock.clone(),
         lineage: vec![],
         effects: Default::default(),
+        network: Default::default(),
     };
     control::call(
         &paths.control(),
@@ -179,7 +304,32 @@ fn main() {
         Duration::from_secs(10),
     )
     .expect("register");
-    let port = server();
+    let port = server(None);
+    let tls_port = server(Some(acceptor));
+    let hsock = home.join("vms/h/vsock.sock_3128");
+    let reg = Registration {
+        branch: effects::random_id().expect("id"),
+        vm: "h".into(),
+        socket: hsock.clone(),
+        lineage: vec![],
+        effects: effects::Effects {
+            https: effects::Https::Intercept,
+            ..Default::default()
+        },
+        network: Default::default(),
+    };
+    control::call(
+        &paths.control(),
+        &Request::Register { reg },
+        Duration::from_secs(10),
+    )
+    .expect("register");
+    let upstream = client(&std::fs::read_to_string(&upstream_ca).expect("ca"));
+    let via_gateway = client(&effects::tls::ca_cert_pem(&paths).expect("gateway ca"));
+    for _ in 0..20 {
+        https_direct(tls_port, &upstream);
+        https_proxied(&hsock, tls_port, &via_gateway, "warm", Some("warm"));
+    }
     // Warm up both paths.
     for i in 0..20 {
         direct(port, &format!("warm{i}"));
@@ -197,6 +347,14 @@ fn main() {
         .collect();
     let pass_v: Vec<_> = (0..n)
         .map(|_| proxied(&sock, "GET", port, "", None))
+        .collect();
+    let https_direct_v: Vec<_> = (0..n).map(|_| https_direct(tls_port, &upstream)).collect();
+    let https_effect_v: Vec<_> = (0..n)
+        .map(|i| https_proxied(&hsock, tls_port, &via_gateway, &format!("h{i}"), None))
+        .collect();
+    https_proxied(&hsock, tls_port, &via_gateway, "r", Some("same"));
+    let https_replay_v: Vec<_> = (0..n)
+        .map(|_| https_proxied(&hsock, tls_port, &via_gateway, "r", Some("same")))
         .collect();
     let _ = gw.kill();
     let _ = gw.wait();
@@ -225,11 +383,26 @@ fn main() {
         p / d,
         p - d
     );
+    let (hd, he, hr) = (
+        median_us(https_direct_v),
+        median_us(https_effect_v),
+        median_us(https_replay_v),
+    );
+    println!("  HTTPS direct to the server (TLS):     median {hd:8.0} us");
+    println!(
+        "  HTTPS POST via the gateway (intercepted), executed: median {he:8.0} us  (+{:.0} us over plain HTTP via the gateway)",
+        he - e
+    );
+    println!(
+        "  HTTPS POST via the gateway (intercepted), replayed: median {hr:8.0} us  (+{:.0} us over plain HTTP replayed)",
+        hr - r
+    );
     println!("  journal commits (fsync each):         {writes_per_s:8.0} per second (insert {ins_us:.0} us, complete {comp_us:.0} us)");
     println!(
-        "direct_us_p50={d:.0} effect_us_p50={e:.0} effect_added_us_p50={:.0} effect_ratio={:.2} replay_us_p50={r:.0} pass_us_p50={p:.0} pass_added_us_p50={:.0} journal_writes_per_s={writes_per_s:.0} n={n}",
+        "direct_us_p50={d:.0} effect_us_p50={e:.0} effect_added_us_p50={:.0} effect_ratio={:.2} replay_us_p50={r:.0} pass_us_p50={p:.0} pass_added_us_p50={:.0} https_direct_us_p50={hd:.0} https_effect_us_p50={he:.0} https_added_us_p50={:.0} https_replay_us_p50={hr:.0} journal_writes_per_s={writes_per_s:.0} n={n}",
         e - d,
         e / d,
-        p - d
+        p - d,
+        he - e
     );
 }

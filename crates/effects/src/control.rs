@@ -79,9 +79,15 @@ pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Reply, Er
     s.set_write_timeout(Some(timeout)).map_err(io)?;
     let mut line = serde_json::to_vec(req).map_err(|e| Error::Control(e.to_string()))?;
     line.push(b'\n');
-    s.write_all(&line).map_err(io)?;
+    // A gateway that refuses the caller answers and closes at once: its
+    // answer is read even when the request could not all be written.
+    let sent = s.write_all(&line);
     let mut reply = String::new();
-    BufReader::new(&s).read_line(&mut reply).map_err(io)?;
+    let read = BufReader::new(&s).read_line(&mut reply);
+    if reply.is_empty() {
+        sent.map_err(io)?;
+    }
+    read.map_err(io)?;
     if reply.is_empty() {
         return Err(Error::Control(format!(
             "{} closed the connection without an answer",

@@ -35,12 +35,14 @@ use hyper::body::{Body, Frame, Incoming};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::control::{self, Reply};
+use crate::egress::{self, Denied};
 use crate::journal::{EffectRow, Journal, NewEffect, State};
+use crate::tls;
 use crate::{EffectPolicy, Error, MomentKind, Paths, Registration};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -74,6 +76,11 @@ pub struct Options {
     /// between `moment` and `moment_done`).
     pub hold_limit: Duration,
     pub fault_after_response: bool,
+    /// Host networks the gateway may reach although they are the host's
+    /// own ([`egress::ALLOW_PRIVATE_ENV`]; tests only).
+    pub allow_private: Vec<egress::HostRule>,
+    /// Extra roots for destinations' certificates ([`tls::EXTRA_ROOTS_ENV`]).
+    pub extra_roots: Option<PathBuf>,
 }
 
 impl Options {
@@ -86,7 +93,26 @@ impl Options {
             hold_limit: Duration::from_secs(300),
             fault_after_response: std::env::var(FAULT_ENV).as_deref()
                 == Ok("after-response-before-journal"),
+            allow_private: Vec::new(),
+            extra_roots: None,
         }
+    }
+
+    /// [`Options::new`] with the host settings from the environment
+    /// ([`egress::ALLOW_PRIVATE_ENV`]); a malformed one is an error, never
+    /// ignored.
+    pub fn from_env(home: &Path) -> Result<Self, Error> {
+        let mut o = Options::new(home);
+        if let Ok(v) = std::env::var(egress::ALLOW_PRIVATE_ENV) {
+            o.allow_private = egress::HostRule::parse_list(&v).map_err(Error::Gateway)?;
+        }
+        if let Some(p) = std::env::var_os(tls::EXTRA_ROOTS_ENV).filter(|v| !v.is_empty()) {
+            let p = PathBuf::from(p);
+            tls::read_roots(&p)
+                .map_err(|e| Error::Gateway(format!("{}: {e}", tls::EXTRA_ROOTS_ENV)))?;
+            o.extra_roots = Some(p);
+        }
+        Ok(o)
     }
 }
 
@@ -152,6 +178,8 @@ struct Branch {
 struct Shared {
     opts: Options,
     paths: Paths,
+    /// HTTPS interception (CA, leaves, roots), made on first use.
+    tls: tls::Tls,
     store: Mutex<Store>,
     branches: Mutex<HashMap<String, Arc<Branch>>>,
     next_conn: AtomicU64,
@@ -169,6 +197,12 @@ pub fn serve(opts: Options) -> Result<(), Error> {
     // SAFETY: sets one signal's disposition to ignore; no handler runs.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    // Everything the gateway makes is its own, whatever umask it was
+    // started with: sockets, journal, CA key (sockets are chmod'ed too).
+    // SAFETY: umask(2) only sets this process's file-creation mask.
+    unsafe {
+        libc::umask(0o077);
     }
     let paths = Paths::new(&opts.home);
     std::fs::create_dir_all(&paths.dir)
@@ -199,6 +233,7 @@ pub fn serve(opts: Options) -> Result<(), Error> {
         .build()
         .map_err(|e| Error::Io("tokio runtime".into(), e))?;
     let shared = Arc::new(Shared {
+        tls: tls::Tls::new(&paths, opts.extra_roots.clone()),
         opts,
         paths: paths.clone(),
         store: Mutex::new(Store {
@@ -228,9 +263,18 @@ async fn run(shared: Arc<Shared>) -> Result<(), Error> {
         }
     }
     let control = shared.paths.control();
-    let _ = std::fs::remove_file(&control);
-    let listener =
-        UnixListener::bind(&control).map_err(|e| Error::Io(control.display().to_string(), e))?;
+    // A control socket left by an earlier gateway of this home (the lock
+    // says none runs); anything else there is not ours to remove.
+    if let Ok(m) = std::fs::symlink_metadata(&control) {
+        if !is_own_socket(&m) {
+            return Err(Error::Gateway(format!(
+                "{} exists and is not a socket of this gateway; not replaced",
+                control.display()
+            )));
+        }
+        let _ = std::fs::remove_file(&control);
+    }
+    let listener = bind_private(&control)?;
     std::fs::write(shared.paths.pidfile(), format!("{}\n", std::process::id()))
         .map_err(|e| Error::Io(shared.paths.pidfile().display().to_string(), e))?;
     eprintln!(
@@ -269,8 +313,39 @@ async fn heartbeat(shared: Arc<Shared>) {
 
 // ---------------------------------------------------------------- control
 
-async fn control_conn(shared: Arc<Shared>, s: UnixStream) {
+/// Whether a peer may use the control socket: the gateway's own user, or
+/// root. The socket is 0600 already; this holds even if its mode or its
+/// directory's were loosened.
+fn peer_allowed(s: &UnixStream) -> Result<(), String> {
+    let cred = s
+        .peer_cred()
+        .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid() == me || cred.uid() == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "refused: uid {} is neither the gateway's user ({me}) nor root",
+            cred.uid()
+        ))
+    }
+}
+
+async fn control_conn(shared: Arc<Shared>, mut s: UnixStream) {
     use tokio::io::AsyncBufReadExt;
+    if let Err(why) = peer_allowed(&s) {
+        eprintln!("tine gateway: control connection {why}");
+        let reply = Reply {
+            ok: false,
+            error: Some(format!("effects gateway control: {why}")),
+            status: None,
+        };
+        let mut out = serde_json::to_vec(&reply).unwrap_or_default();
+        out.push(b'\n');
+        let _ = s.write_all(&out).await;
+        return;
+    }
     let (r, mut w) = s.into_split();
     let mut lines = tokio::io::BufReader::new(r).lines();
     while let Ok(Some(line)) = lines.next_line().await {
@@ -363,6 +438,7 @@ fn register(shared: &Arc<Shared>, reg: Registration) -> Result<(), Error> {
     reg.effects
         .validate()
         .map_err(|e| Error::Control(e.to_string()))?;
+    let existing = check_socket_path(shared, &reg.socket)?;
     let old: Vec<String> = lock(&shared.branches)
         .values()
         .filter(|b| b.reg.socket == reg.socket || b.reg.branch == reg.branch)
@@ -371,14 +447,11 @@ fn register(shared: &Arc<Shared>, reg: Registration) -> Result<(), Error> {
     for b in old {
         unregister(shared, &b)?;
     }
-    let _ = std::fs::remove_file(&reg.socket);
-    let std_listener = std::os::unix::net::UnixListener::bind(&reg.socket)
-        .map_err(|e| Error::Io(reg.socket.display().to_string(), e))?;
-    std_listener
-        .set_nonblocking(true)
-        .map_err(|e| Error::Io(reg.socket.display().to_string(), e))?;
-    let listener = UnixListener::from_std(std_listener)
-        .map_err(|e| Error::Io(reg.socket.display().to_string(), e))?;
+    if existing {
+        // Checked above: a socket this gateway made for a branch.
+        let _ = std::fs::remove_file(&reg.socket);
+    }
+    let listener = bind_private(&reg.socket)?;
     lock(&shared.store).journal.put_branch(&reg, true)?;
     let (hold_tx, _) = watch::channel(false);
     let branch = Arc::new(Branch {
@@ -391,6 +464,73 @@ fn register(shared: &Arc<Shared>, reg: Registration) -> Result<(), Error> {
     *lock(&branch.accept) = Some(task.abort_handle());
     lock(&shared.branches).insert(reg.branch.clone(), branch);
     Ok(())
+}
+
+/// A socket owned by the gateway's user (not a link, not a file).
+fn is_own_socket(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    m.file_type().is_socket() && m.uid() == unsafe { libc::geteuid() }
+}
+
+/// Binds a Unix listener at `path`, mode 0600 (no wider at any moment: the
+/// process's umask is 077, and the mode is set again after the bind).
+fn bind_private(path: &Path) -> Result<UnixListener, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |e| Error::Io(path.display().to_string(), e);
+    let l = std::os::unix::net::UnixListener::bind(path).map_err(io)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    l.set_nonblocking(true).map_err(io)?;
+    UnixListener::from_std(l).map_err(io)
+}
+
+/// Whether the gateway may listen at `path` for a branch: inside its home
+/// (`$TINE_HOME`, where the CLI puts `vms/NAME/vsock.sock_3128`), and
+/// either free or a socket the gateway made for a branch (one registered
+/// now, or before a restart). Returns whether such a socket is there to
+/// replace. Nothing else is ever removed.
+fn check_socket_path(shared: &Shared, path: &Path) -> Result<bool, Error> {
+    let refuse = |why: String| {
+        Error::Control(format!(
+            "cannot listen at {}: {why}; nothing was changed",
+            path.display()
+        ))
+    };
+    let (Some(dir), Some(_)) = (path.parent(), path.file_name()) else {
+        return Err(refuse("not a file path".into()));
+    };
+    if !path.is_absolute() {
+        return Err(refuse("not an absolute path".into()));
+    }
+    let home = std::fs::canonicalize(&shared.opts.home)
+        .map_err(|e| Error::Io(shared.opts.home.display().to_string(), e))?;
+    let real_dir = std::fs::canonicalize(dir).map_err(|e| refuse(e.to_string()))?;
+    if !real_dir.starts_with(&home) {
+        return Err(refuse(format!(
+            "it is not inside the gateway's home {}",
+            home.display()
+        )));
+    }
+    let m = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(refuse(e.to_string())),
+    };
+    let ours = is_own_socket(&m)
+        && (lock(&shared.branches)
+            .values()
+            .any(|b| b.reg.socket == path)
+            || lock(&shared.store)
+                .journal
+                .active_branches()?
+                .iter()
+                .any(|r| r.socket == path));
+    if !ours {
+        return Err(refuse(
+            "something is there that is not a socket this gateway made for a vm".into(),
+        ));
+    }
+    Ok(true)
 }
 
 fn unregister(shared: &Arc<Shared>, branch: &str) -> Result<(), Error> {
@@ -523,6 +663,20 @@ struct ConnCtx {
     branch: Arc<Branch>,
     id: u64,
     ticket: Mutex<Option<Ticket>>,
+    /// An intercepted CONNECT's inner HTTP connection (whether it ended
+    /// cleanly): the connection's end, and its release, wait for it.
+    inner: Mutex<Option<tokio::task::JoinHandle<bool>>>,
+}
+
+impl ConnCtx {
+    /// The egress policy of this connection's branch (the listener's, never
+    /// anything the guest sent).
+    fn egress(&self) -> egress::Policy<'_> {
+        egress::Policy {
+            reg: &self.branch.reg,
+            allow_private: &self.shared.opts.allow_private,
+        }
+    }
 }
 
 async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixStream) {
@@ -531,6 +685,7 @@ async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixSt
         branch: branch.clone(),
         id,
         ticket: Mutex::new(None),
+        inner: Mutex::new(None),
     });
     let c2 = ctx.clone();
     let svc = hyper::service::service_fn(move |req| {
@@ -547,9 +702,14 @@ async fn serve_conn(shared: Arc<Shared>, branch: Arc<Branch>, id: u64, s: UnixSt
         .serve_connection(TokioIo::new(s), svc)
         .with_upgrades()
         .await;
+    let inner = take(&ctx.inner);
+    let clean = match inner {
+        Some(h) => h.await.unwrap_or(false),
+        None => res.is_ok(),
+    };
     let ticket = lock(&ctx.ticket).take();
     if let Some(t) = ticket {
-        if res.is_ok() {
+        if clean {
             release(&ctx, &t).await;
         }
         let mut st = lock(&branch.state);
@@ -706,6 +866,82 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
             )
         }
     };
+    let target = Target {
+        url: uri.to_string(),
+        authority: uri
+            .authority()
+            .map(|a| a.as_str().to_string())
+            .unwrap_or_else(|| format!("{host}:{port}")),
+        host,
+        port,
+        tls: false,
+        addrs: None,
+    };
+    forward(ctx, req, target).await
+}
+
+/// Where a request goes: from its absolute URL (plain HTTP) or from the
+/// CONNECT it came through (intercepted HTTPS).
+struct Target {
+    host: String,
+    port: u16,
+    /// The URL as journaled (and hashed): `http://...` or `https://...`.
+    url: String,
+    /// Host header if the request has none.
+    authority: String,
+    /// TLS to the destination (verified against the host's roots).
+    tls: bool,
+    /// Checked at the CONNECT already (the connection goes there).
+    addrs: Option<Vec<std::net::SocketAddr>>,
+}
+
+/// A request inside an intercepted CONNECT to `host:port`: origin-form
+/// (`GET /path`), for that destination only.
+async fn handle_https(
+    ctx: Arc<ConnCtx>,
+    req: Request<Incoming>,
+    host: String,
+    port: u16,
+    addrs: Vec<std::net::SocketAddr>,
+) -> Response<RespBody> {
+    if req.method() == Method::CONNECT {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "tine effects gateway: CONNECT inside an intercepted CONNECT",
+        );
+    }
+    let authority = if port == 443 {
+        host.clone()
+    } else {
+        format!("{host}:{port}")
+    };
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let target = Target {
+        url: format!("https://{authority}{path}"),
+        authority,
+        host,
+        port,
+        tls: true,
+        addrs: Some(addrs),
+    };
+    forward(ctx, req, target).await
+}
+
+/// The policy, the egress check and the effect of one request.
+async fn forward(ctx: Arc<ConnCtx>, req: Request<Incoming>, target: Target) -> Response<RespBody> {
+    let Target {
+        host,
+        port,
+        url,
+        authority,
+        tls,
+        addrs,
+    } = target;
+    let uri = req.uri().clone();
     let dest = format!("{host}:{port}");
     let reg = &ctx.branch.reg;
     let safe = matches!(
@@ -714,10 +950,16 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
     );
     let policy = reg.effects.policy_for(&host, port, safe);
     let method = req.method().to_string();
-    let url = uri.to_string();
     if policy == EffectPolicy::DenyInChildren && reg.is_child() {
         return refuse(&ctx, &method, &url, &dest);
     }
+    let addrs = match addrs {
+        Some(a) => a,
+        None => match ctx.egress().resolve(&host, port).await {
+            Ok(a) => a,
+            Err(d) => return denied(&ctx, &method, &url, &dest, d),
+        },
+    };
     let policy = match policy {
         EffectPolicy::DenyInChildren if safe => EffectPolicy::Pass,
         EffectPolicy::DenyInChildren => EffectPolicy::OncePerTree,
@@ -768,11 +1010,14 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
             .path_and_query()
             .map(|p| p.as_str().to_string())
             .unwrap_or_else(|| "/".into()),
-        authority: uri
-            .authority()
-            .map(|a| a.as_str().to_string())
-            .unwrap_or_else(|| dest.clone()),
+        authority,
+        tls: tls.then(|| {
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string()
+        }),
         dest: dest.clone(),
+        addrs,
         headers: end_to_end(&parts.headers),
         body,
     };
@@ -798,16 +1043,46 @@ async fn handle(ctx: Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody>
 }
 
 fn refuse(ctx: &ConnCtx, method: &str, url: &str, dest: &str) -> Response<RespBody> {
-    let reg = &ctx.branch.reg;
     let why = format!(
         "tine effects gateway: refused: the contract's effects policy for {dest} is deny-in-children, and vm {:?} is a child (a fork or restored copy); nothing was sent",
-        reg.vm
+        ctx.branch.reg.vm
     );
+    refuse_as(ctx, method, url, dest, "deny-in-children", why)
+}
+
+/// The egress policy's answer: refused (403, journaled) or unresolvable.
+fn denied(ctx: &ConnCtx, method: &str, url: &str, dest: &str, d: Denied) -> Response<RespBody> {
+    match d {
+        Denied::Refused(why) => refuse_as(
+            ctx,
+            method,
+            url,
+            dest,
+            "egress",
+            format!("tine effects gateway: {why}; nothing was sent"),
+        ),
+        Denied::Unresolved(why) => text(
+            StatusCode::BAD_GATEWAY,
+            format!("tine effects gateway: {why}; nothing was sent"),
+        ),
+    }
+}
+
+/// Refuses a request (403) and journals the refusal under `policy`.
+fn refuse_as(
+    ctx: &ConnCtx,
+    method: &str,
+    url: &str,
+    dest: &str,
+    policy: &str,
+    why: String,
+) -> Response<RespBody> {
+    let reg = &ctx.branch.reg;
     let res = tokio::task::block_in_place(|| {
         lock(&ctx.shared.store).journal.insert(&NewEffect {
             status: Some(403),
             error: Some(&why),
-            ..unkeyed(reg, method, url, dest, "deny-in-children", State::Refused)
+            ..unkeyed(reg, method, url, dest, policy, State::Refused)
         })
     });
     if let Err(e) = res {
@@ -859,22 +1134,55 @@ struct Upstream {
     method: Method,
     path: String,
     authority: String,
+    /// TLS to the destination, with this server name.
+    tls: Option<String>,
     dest: String,
+    /// The destination's addresses, resolved and checked (egress): the
+    /// connection goes to one of these, never to a fresh resolution.
+    addrs: Vec<std::net::SocketAddr>,
     headers: HeaderMap,
     body: Bytes,
 }
 
 /// Connects to the destination; `Err` means nothing was sent.
 async fn connect(
-    opts: &Options,
-    dest: &str,
+    shared: &Shared,
+    up: &Upstream,
 ) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, String> {
-    let tcp = tokio::time::timeout(opts.connect_timeout, TcpStream::connect(dest))
-        .await
-        .map_err(|_| format!("connecting to {dest} timed out"))?
-        .map_err(|e| format!("cannot connect to {dest}: {e}"))?;
+    let dest = &up.dest;
+    let timeout = shared.opts.connect_timeout;
+    let tcp = egress::connect(&up.addrs, dest, timeout).await?;
     let _ = tcp.set_nodelay(true);
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+    let Some(name) = &up.tls else {
+        return handshake(TokioIo::new(tcp), dest).await;
+    };
+    // Verified against the host's roots: a destination whose certificate
+    // does not verify is never sent the request.
+    let config = shared.tls.client()?;
+    let server = rustls::pki_types::ServerName::try_from(name.clone())
+        .map_err(|e| format!("{name:?} is not a TLS server name: {e}"))?;
+    let tls = tokio::time::timeout(
+        timeout,
+        tokio_rustls::TlsConnector::from(config).connect(server, tcp),
+    )
+    .await
+    .map_err(|_| format!("the TLS handshake with {dest} timed out"))?
+    .map_err(|e| {
+        format!(
+            "TLS to {dest} failed, its certificate was not accepted or the handshake broke: {e}"
+        )
+    })?;
+    handshake(TokioIo::new(tls), dest).await
+}
+
+async fn handshake<T>(
+    io: T,
+    dest: &str,
+) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, String>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (send, conn) = hyper::client::conn::http1::handshake(io)
         .await
         .map_err(|e| format!("cannot talk HTTP to {dest}: {e}"))?;
     tokio::spawn(async move {
@@ -908,7 +1216,7 @@ async fn pass(ctx: &ConnCtx, up: Upstream, method: &str, url: &str) -> Response<
     let opts = &ctx.shared.opts;
     let reg = &ctx.branch.reg;
     let res = async {
-        let mut send = connect(opts, &up.dest).await?;
+        let mut send = connect(&ctx.shared, &up).await?;
         let req = upstream_request(&up)?;
         tokio::time::timeout(opts.upstream_timeout, send.send_request(req))
             .await
@@ -1443,7 +1751,7 @@ async fn execute(
         });
         tx.send_replace(Some(Arc::new(o)));
     };
-    let mut send = match connect(&opts, &up.dest).await {
+    let mut send = match connect(&shared, &up).await {
         Ok(s) => s,
         Err(e) => {
             finish(Outcome::Unsent(e), &|j| j.delete_unsent(id));
@@ -1562,7 +1870,7 @@ async fn too_large(
 }
 
 /// CONNECT: a TLS tunnel, journaled by destination, never replayed.
-async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
+async fn tunnel(ctx: &Arc<ConnCtx>, req: Request<Incoming>) -> Response<RespBody> {
     let Some(auth) = req.uri().authority().cloned() else {
         return text(
             StatusCode::BAD_REQUEST,
@@ -1582,19 +1890,20 @@ async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
     if reg.effects.policy_for(&host, port, true) == EffectPolicy::DenyInChildren && reg.is_child() {
         return refuse(ctx, "CONNECT", &url, &dest);
     }
+    let addrs = match ctx.egress().resolve(&host, port).await {
+        Ok(a) => a,
+        Err(d) => return denied(ctx, "CONNECT", &url, &dest, d),
+    };
+    if reg.effects.https == crate::Https::Intercept {
+        return intercept(ctx, req, host, port, addrs);
+    }
     let opts = &ctx.shared.opts;
-    let tcp = match tokio::time::timeout(opts.connect_timeout, TcpStream::connect(&dest)).await {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
+    let tcp = match egress::connect(&addrs, &dest, opts.connect_timeout).await {
+        Ok(t) => t,
+        Err(e) => {
             return text(
                 StatusCode::BAD_GATEWAY,
-                format!("tine effects gateway: cannot connect to {dest}: {e}"),
-            )
-        }
-        Err(_) => {
-            return text(
-                StatusCode::GATEWAY_TIMEOUT,
-                format!("tine effects gateway: connecting to {dest} timed out"),
+                format!("tine effects gateway: {e}"),
             )
         }
     };
@@ -1613,16 +1922,161 @@ async fn tunnel(ctx: &ConnCtx, req: Request<Incoming>) -> Response<RespBody> {
         let Ok(up) = hyper::upgrade::on(req).await else {
             return;
         };
-        let mut guest = TokioIo::new(up);
-        let mut tcp = tcp;
-        let (a, b) = tokio::io::copy_bidirectional(&mut guest, &mut tcp)
-            .await
-            .unwrap_or((0, 0));
-        if let Some(id) = row {
-            tokio::task::spawn_blocking(move || {
-                let _ = lock(&shared.store).journal.set_bytes(id, a, b);
-            });
-        }
+        pipe(shared, row, TokioIo::new(up), tcp).await;
     });
     Response::new(full(Bytes::new()))
+}
+
+/// Pipes a tunnel's bytes both ways; its journal row gets how many.
+async fn pipe<G>(shared: Arc<Shared>, row: Option<i64>, mut guest: G, mut tcp: TcpStream)
+where
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let (a, b) = tokio::io::copy_bidirectional(&mut guest, &mut tcp)
+        .await
+        .unwrap_or((0, 0));
+    if let Some(id) = row {
+        tokio::task::spawn_blocking(move || {
+            let _ = lock(&shared.store).journal.set_bytes(id, a, b);
+        });
+    }
+}
+
+/// The first byte of a TLS connection (a handshake record).
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// An intercepted CONNECT (`effects.https = "intercept"`): `200`, then the
+/// guest's TLS ends here with a certificate for `host` from this host's CA,
+/// and each request inside goes through [`forward`] like plain HTTP (with
+/// TLS to the destination, to the addresses checked now). What is not TLS
+/// (the first byte says) is tunneled as before.
+fn intercept(
+    ctx: &Arc<ConnCtx>,
+    req: Request<Incoming>,
+    host: String,
+    port: u16,
+    addrs: Vec<std::net::SocketAddr>,
+) -> Response<RespBody> {
+    let name = host.trim_start_matches('[').trim_end_matches(']');
+    let server = match ctx.shared.tls.server(name) {
+        Ok(s) => s,
+        Err(e) => {
+            return text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "tine effects gateway: cannot intercept HTTPS to {host}: {e}; nothing was sent"
+                ),
+            )
+        }
+    };
+    let c = ctx.clone();
+    let task = tokio::spawn(async move {
+        let Ok(up) = hyper::upgrade::on(req).await else {
+            return false;
+        };
+        let mut io = TokioIo::new(up);
+        let mut first = [0u8; 1];
+        let n = match tokio::time::timeout(Duration::from_secs(60), io.read(&mut first)).await {
+            Ok(Ok(n)) if n > 0 => n,
+            _ => return false,
+        };
+        let io = Prefixed {
+            prefix: Bytes::copy_from_slice(&first[..n]),
+            inner: io,
+        };
+        if first[0] != TLS_HANDSHAKE {
+            tunnel_after(c, io, host, port, addrs).await;
+            return false;
+        }
+        // A guest that does not trust the CA ends the handshake: nothing
+        // was sent (and nothing is logged: a guest must not fill the log).
+        let Ok(tls) = tokio_rustls::TlsAcceptor::from(server).accept(io).await else {
+            return false;
+        };
+        let svc = hyper::service::service_fn(move |req| {
+            let (c, host, addrs) = (c.clone(), host.clone(), addrs.clone());
+            async move { Ok::<_, Infallible>(handle_https(c, req, host, port, addrs).await) }
+        });
+        hyper::server::conn::http1::Builder::new()
+            .keep_alive(false)
+            .timer(TokioTimer::new())
+            .header_read_timeout(Duration::from_secs(60))
+            .serve_connection(TokioIo::new(tls), svc)
+            .await
+            .is_ok()
+    });
+    *lock(&ctx.inner) = Some(task);
+    Response::new(full(Bytes::new()))
+}
+
+/// What came through an intercepting CONNECT but is not TLS: tunneled and
+/// journaled by destination, as without interception.
+async fn tunnel_after<G>(
+    ctx: Arc<ConnCtx>,
+    guest: G,
+    host: String,
+    port: u16,
+    addrs: Vec<std::net::SocketAddr>,
+) where
+    G: AsyncRead + AsyncWrite + Unpin,
+{
+    let dest = format!("{host}:{port}");
+    let Ok(tcp) = egress::connect(&addrs, &dest, ctx.shared.opts.connect_timeout).await else {
+        return;
+    };
+    let url = format!("https://{dest}");
+    let row = tokio::task::block_in_place(|| {
+        lock(&ctx.shared.store).journal.insert(&NewEffect {
+            status: Some(200),
+            ..unkeyed(
+                &ctx.branch.reg,
+                "CONNECT",
+                &url,
+                &dest,
+                "pass",
+                State::Tunnel,
+            )
+        })
+    });
+    if let Ok(row) = row {
+        pipe(ctx.shared.clone(), row, guest, tcp).await;
+    }
+}
+
+/// A stream with bytes already read from it put back in front.
+struct Prefixed<T> {
+    prefix: Bytes,
+    inner: T,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            let head = self.prefix.split_to(n);
+            buf.put_slice(&head);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }

@@ -8,18 +8,23 @@
 //!   CONNECT tunnels, and a control socket for the CLI.
 //! - [`journal`]: the journal, in SQLite or in a PostgreSQL database that
 //!   the hosts of a fleet share (`TINE_META`).
+//! - [`egress`]: where a branch may connect (the contract's `[network]`,
+//!   never the host itself).
+//! - [`tls`]: HTTPS interception (`effects.https = "intercept"`).
 //! - [`control`]: the control protocol and its client (register a vm,
 //!   bracket a moment, list, resolve).
 
 pub mod control;
+pub mod egress;
 pub mod gateway;
 pub mod journal;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use contract::{EffectPolicy, Effects};
+pub use contract::{EffectPolicy, Effects, Egress, Https, Network};
 
 /// The vsock port guests send proxy connections to (CID 2, the host).
 pub const PROXY_PORT: u32 = 3128;
@@ -105,6 +110,10 @@ pub struct Registration {
     /// Policies (the vm's contract's `[effects]`).
     #[serde(default)]
     pub effects: Effects,
+    /// Egress (the vm's contract's `[network]`): a child whose contract
+    /// denies egress reaches only its allow-list through the gateway too.
+    #[serde(default)]
+    pub network: Network,
 }
 
 impl Registration {
@@ -156,6 +165,10 @@ impl Paths {
     }
     pub fn log(&self) -> PathBuf {
         self.dir.join("gateway.log")
+    }
+    /// The CA of intercepted HTTPS: certificate and key (0600).
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("ca.pem")
     }
 
     /// This host's id, as the fleet knows it: `TINE_HOST_ID`, else the one

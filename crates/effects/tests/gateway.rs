@@ -17,6 +17,7 @@ fn policy(pairs: &[(&str, EffectPolicy)], max: u64) -> Effects {
             .iter()
             .map(|(k, v)| (k.to_string(), *v))
             .collect::<BTreeMap<_, _>>(),
+        ..Effects::default()
     }
 }
 

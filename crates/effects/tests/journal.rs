@@ -14,6 +14,7 @@ fn reg(branch: &str, lineage: Vec<Step>) -> Registration {
         socket: "/nonexistent".into(),
         lineage,
         effects: Default::default(),
+        network: Default::default(),
     }
 }
 

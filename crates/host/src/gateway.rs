@@ -74,13 +74,36 @@ fn call(h: &Host, req: Request) -> crate::Result<control::Reply> {
 }
 
 fn registration(vm: &VmDir, r: &VmRecord) -> crate::Result<Registration> {
+    let c = vm.read_contract()?;
     Ok(Registration {
         branch: r.branch.clone(),
         vm: vm.name.clone(),
         socket: proxy_socket(vm),
         lineage: r.lineage.clone(),
-        effects: vm.read_contract()?.effects,
+        effects: c.effects,
+        // The gateway applies the contract's egress as the tap does.
+        network: c.network,
     })
+}
+
+/// The gateway's CA certificate for a copy whose effective contract
+/// (`contract_toml`, the wake's) has the gateway intercept HTTPS: the agent
+/// installs it in the guest's trust store. The CA is the home's (made here
+/// if the gateway has not made it yet). `None` when HTTPS is tunneled.
+pub fn ca_for_wake(vm: &VmDir, contract_toml: &str) -> crate::Result<Option<String>> {
+    let c = contract::Contract::parse(contract_toml)?;
+    if c.effects.https != contract::Https::Intercept {
+        return Ok(None);
+    }
+    // `vms/NAME` is in the home.
+    let home = vm
+        .dir
+        .parent()
+        .and_then(Path::parent)
+        .with_context(|| format!("{} is not in a tine home", vm.dir.display()))?;
+    let pem = effects::tls::ca_cert_pem(&Paths::new(home))
+        .context("the effects gateway's CA (for intercepted HTTPS) cannot be read or made")?;
+    Ok(Some(pem))
 }
 
 /// Gives a record made before branches existed its branch id.
@@ -367,4 +390,33 @@ pub fn resolve(h: &Host, name: &str, key: &str, resend: bool) -> crate::Result<i
             "no in-doubt effect with key {key:?} in the tree of vm {name:?} (see `tine effects {name}`)"
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy whose contract intercepts HTTPS gets the home's CA in its
+    /// wake (the same one every time, the key kept 0600); others get none.
+    #[test]
+    fn test_the_wake_carries_the_ca_only_when_https_is_intercepted() {
+        use std::os::unix::fs::PermissionsExt;
+        let home = tempfile::tempdir().expect("home");
+        let vm = VmDir::new(home.path(), "v");
+        assert_eq!(ca_for_wake(&vm, "").expect("tunnel"), None);
+        let toml = "[effects]\nhttps = \"intercept\"\n";
+        let pem = ca_for_wake(&vm, toml).expect("ca").expect("some");
+        assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"), "{pem}");
+        assert!(
+            !pem.contains("PRIVATE KEY"),
+            "the key never leaves the host"
+        );
+        assert_eq!(ca_for_wake(&vm, toml).expect("again"), Some(pem));
+        let ca = Paths::new(home.path()).ca();
+        let mode = std::fs::metadata(&ca)
+            .expect("ca file")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
 }

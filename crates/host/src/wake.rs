@@ -163,6 +163,8 @@ impl<'a> Round<'a> {
             run_hooks: c.hooks.run,
             hook_timeout_ms: c.hooks.timeout_s.saturating_mul(1000),
             contract_toml: c.to_toml(),
+            // Filled in by `wake_one`, which knows the vm's home.
+            ca_pem: None,
         })
     }
 }
@@ -305,11 +307,12 @@ pub fn wake_one(vm: &VmDir, w: Wake) -> Woken {
                 bail!("cannot resume the child: {e}");
             }
         }
+        let mut w = w;
+        w.ca_pem = crate::gateway::ca_for_wake(vm, &w.contract_toml)?;
         let mut s = agent::connect(&vsock, WAKE_TIMEOUT)
             .context("connecting to the agent (nothing was asked of it)")?;
         s.set_read_timeout(Some(WAKE_TIMEOUT))?;
         // The host's time as of sending, not of building the message.
-        let mut w = w;
         if w.host_time_ns.is_some() {
             w.host_time_ns = Some(now_ns());
         }

@@ -130,6 +130,11 @@ pub struct Wake {
     /// for the application to read (names and policies, never values).
     #[serde(default)]
     pub contract_toml: String,
+    /// The effects gateway's CA certificate (PEM), when the contract has
+    /// the gateway intercept HTTPS (`effects.https = "intercept"`): the
+    /// agent adds it to the guest's trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_pem: Option<String>,
 }
 
 /// How one step ended.

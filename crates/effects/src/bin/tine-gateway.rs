@@ -12,7 +12,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match effects::gateway::serve(effects::gateway::Options::new(&home)) {
+    let served = effects::gateway::Options::from_env(&home).and_then(effects::gateway::serve);
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tine gateway: {e}");

@@ -63,6 +63,15 @@ pub struct Server {
 
 impl Server {
     pub fn start() -> Self {
+        Server::start_on(None)
+    }
+
+    /// The same server behind TLS (`acceptor`'s certificate).
+    pub fn start_tls(acceptor: tokio_rustls::TlsAcceptor) -> Self {
+        Server::start_on(Some(acceptor))
+    }
+
+    fn start_on(tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         l.set_nonblocking(true).expect("nonblocking");
         let port = l.local_addr().expect("addr").port();
@@ -81,14 +90,26 @@ impl Server {
                         continue;
                     };
                     let seen = s2.clone();
+                    let tls = tls.clone();
                     tokio::spawn(async move {
                         let svc = hyper::service::service_fn(move |req| {
                             let seen = seen.clone();
                             async move { Ok::<_, Infallible>(answer(seen, req).await) }
                         });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                            .await;
+                        let b = hyper::server::conn::http1::Builder::new();
+                        let _ = match tls {
+                            None => {
+                                b.serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                                    .await
+                            }
+                            Some(a) => match a.accept(s).await {
+                                Ok(t) => {
+                                    b.serve_connection(hyper_util::rt::TokioIo::new(t), svc)
+                                        .await
+                                }
+                                Err(_) => Ok(()),
+                            },
+                        };
                     });
                 }
             });
@@ -173,6 +194,10 @@ async fn answer(
     r
 }
 
+/// What the tests' gateways may reach on the host: the test servers, on
+/// 127.0.0.1 (the knob a host sets explicitly; unset, loopback is refused).
+pub const TEST_ALLOW_PRIVATE: &str = "127.0.0.1";
+
 /// A gateway process over a temporary TINE_HOME.
 pub struct Gateway {
     pub home: TempDir,
@@ -180,6 +205,11 @@ pub struct Gateway {
     pub child: Option<Child>,
     /// `TINE_META` for the process (None: its own SQLite journal).
     pub meta: Option<String>,
+    /// `TINE_GATEWAY_ALLOW_PRIVATE` for the process (None: unset, the
+    /// production default). The test servers listen on 127.0.0.1.
+    pub allow_private: Option<String>,
+    /// `TINE_GATEWAY_EXTRA_ROOTS`: the test CA of TLS servers.
+    pub extra_roots: Option<PathBuf>,
 }
 
 impl Gateway {
@@ -189,6 +219,11 @@ impl Gateway {
 
     /// A gateway whose journal is `meta` (a postgres URL: a host of a fleet).
     pub fn start_meta(meta: Option<&str>) -> Self {
+        Gateway::start_with(meta, Some(TEST_ALLOW_PRIVATE))
+    }
+
+    /// A gateway with its journal `meta` and host setting `allow_private`.
+    pub fn start_with(meta: Option<&str>, allow_private: Option<&str>) -> Self {
         let home = TempDir::new("gw");
         let paths = Paths::new(&home.0);
         let mut g = Gateway {
@@ -196,6 +231,24 @@ impl Gateway {
             paths,
             child: None,
             meta: meta.map(str::to_string),
+            allow_private: allow_private.map(str::to_string),
+            extra_roots: None,
+        };
+        g.spawn(None);
+        g
+    }
+
+    /// A gateway that trusts `roots` (a PEM file) for destinations.
+    pub fn start_trusting(roots: Option<&Path>) -> Self {
+        let home = TempDir::new("gw");
+        let paths = Paths::new(&home.0);
+        let mut g = Gateway {
+            home,
+            paths,
+            child: None,
+            meta: None,
+            allow_private: Some(TEST_ALLOW_PRIVATE.into()),
+            extra_roots: roots.map(Path::to_path_buf),
         };
         g.spawn(None);
         g
@@ -216,6 +269,16 @@ impl Gateway {
             Some(m) => cmd.env(effects::journal::META_ENV, m),
             None => cmd.env_remove(effects::journal::META_ENV),
         };
+        match &self.allow_private {
+            Some(a) => cmd.env(effects::egress::ALLOW_PRIVATE_ENV, a),
+            None => cmd.env_remove(effects::egress::ALLOW_PRIVATE_ENV),
+        };
+        match &self.extra_roots {
+            Some(r) => cmd.env(effects::tls::EXTRA_ROOTS_ENV, r),
+            None => cmd.env_remove(effects::tls::EXTRA_ROOTS_ENV),
+        };
+        // Only the roots named here: no SSL_CERT_FILE of the caller's.
+        cmd.env_remove("SSL_CERT_FILE").env_remove("SSL_CERT_DIR");
         // Each gateway's home is a host: its id from its own home.
         cmd.env_remove("TINE_HOST_ID");
         let child = cmd.spawn().expect("start the gateway");
@@ -276,6 +339,7 @@ impl Gateway {
             socket: self.socket(vm),
             lineage: vec![],
             effects,
+            network: Default::default(),
         };
         self.call(Request::Register { reg: reg.clone() });
         reg
@@ -303,6 +367,7 @@ impl Gateway {
                 socket: self.socket(n),
                 lineage: lineage.clone(),
                 effects: parent.effects.clone(),
+                network: parent.network.clone(),
             })
             .collect();
         self.call(Request::MomentDone {
@@ -351,6 +416,7 @@ impl Gateway {
                     socket: onto.socket(n),
                     lineage: lineage.clone(),
                     effects: parent.effects.clone(),
+                    network: parent.network.clone(),
                 };
                 onto.call(Request::Register { reg: reg.clone() });
                 reg
@@ -441,4 +507,87 @@ pub fn send(
     req.push_str(body);
     let out = raw(&reg.socket, req.as_bytes()).expect("proxy request");
     parse(&out).unwrap_or_else(|| panic!("no HTTP response: {:?}", String::from_utf8_lossy(&out)))
+}
+
+/// A test CA and a TLS server certificate for 127.0.0.1 signed by it: the
+/// acceptor for [`Server::start_tls`] and the CA's PEM file (what the
+/// gateway is told to trust).
+pub fn test_tls(dir: &Path) -> (tokio_rustls::TlsAcceptor, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name
+        .push(DnType::CommonName, "tine test upstream CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).expect("ca");
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().expect("key");
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".into()])
+        .expect("params")
+        .signed_by(&key, &issuer)
+        .expect("leaf");
+    let pem = dir.join("test-ca.pem");
+    std::fs::write(&pem, ca_cert.pem()).expect("write ca");
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into());
+    let config = rustls::ServerConfig::builder_with_provider(effects::tls::provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf.der().clone(), ca_cert.der().clone()], key)
+        .expect("server config");
+    (tokio_rustls::TlsAcceptor::from(Arc::new(config)), pem)
+}
+
+/// An HTTPS request as a guest program makes it through `https_proxy`:
+/// CONNECT host:port on the branch's socket, then TLS trusting `ca_pem`
+/// (the gateway's CA), then the request. The response as read (to the
+/// end), or the error that ended the exchange.
+pub fn https(
+    reg: &Registration,
+    ca_pem: &str,
+    dest: &str,
+    request: &str,
+) -> Result<Vec<u8>, String> {
+    let mut s = UnixStream::connect(&reg.socket).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    s.write_all(format!("CONNECT {dest} HTTP/1.1\r\nHost: {dest}\r\n\r\n").as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut b) {
+            Ok(1) => head.push(b[0]),
+            _ => return Err(format!("CONNECT: {:?}", String::from_utf8_lossy(&head))),
+        }
+    }
+    if !head.starts_with(b"HTTP/1.1 200") {
+        return Err(format!("CONNECT: {:?}", String::from_utf8_lossy(&head)));
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    use rustls::pki_types::pem::PemObject;
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots
+            .add(c.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(effects::tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let host = dest.rsplit_once(':').map(|(h, _)| h).unwrap_or(dest);
+    let name =
+        rustls::pki_types::ServerName::try_from(host.to_string()).map_err(|e| e.to_string())?;
+    let conn = rustls::ClientConnection::new(Arc::new(config), name).map_err(|e| e.to_string())?;
+    let mut tls = rustls::StreamOwned::new(conn, s);
+    tls.write_all(request.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    match tls.read_to_end(&mut out) {
+        Ok(_) => Ok(out),
+        // A peer that closed without close_notify: what came is the answer.
+        Err(_) if !out.is_empty() => Ok(out),
+        Err(e) => Err(e.to_string()),
+    }
 }
