@@ -33,6 +33,10 @@ fn main() -> ExitCode {
         libc::umask(0o077);
     }
     let cli = Cli::parse();
+    if let Err(e) = seccomp_from_env() {
+        eprintln!("tine: {e:#}");
+        return ExitCode::FAILURE;
+    }
     match args::run(*cli.args) {
         Ok(code) => code,
         Err(e) => {
@@ -41,4 +45,19 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Every thread of the VMM runs under its seccomp filter (vmm::seccomp,
+/// docs/design/isolation.md). `TINE_SECCOMP=log` logs a syscall outside
+/// a list instead of killing the process, `off` installs none: for
+/// debugging only.
+fn seccomp_from_env() -> anyhow::Result<()> {
+    use vmm::seccomp::{enable, Mode};
+    match std::env::var("TINE_SECCOMP").as_deref() {
+        Err(_) | Ok("" | "on" | "kill") => enable(Mode::Kill)?,
+        Ok("log") => enable(Mode::Log)?,
+        Ok("off") => {}
+        Ok(other) => anyhow::bail!("TINE_SECCOMP={other}: expected on, log or off"),
+    }
+    Ok(())
 }

@@ -191,6 +191,7 @@ pub fn lazy_source(
         let spawned = std::thread::Builder::new()
             .name("pack-fetch".into())
             .spawn(move || {
+                vmm::seccomp::apply(vmm::seccomp::Thread::PageIn);
                 let t = std::time::Instant::now();
                 match store.fetch_pack_with(id, &|c| g.ready(c)) {
                     Ok(Some(f)) => tracing::info!(

@@ -30,6 +30,7 @@ pub mod moment;
 pub mod pagein;
 pub mod persist;
 pub mod process;
+pub mod seccomp;
 pub mod size;
 pub mod snapshot_dir;
 pub mod state;
@@ -166,11 +167,17 @@ impl Vmm {
         let signals = block_stop_signals();
         spawn("signals", {
             let exit = exit.clone();
-            move || wait_stop_signal(&signals, &exit)
+            move || {
+                seccomp::apply(seccomp::Thread::Signals);
+                wait_stop_signal(&signals, &exit)
+            }
         })?;
         if self.config.console_stdin {
             let serial = self.serial.clone();
-            spawn("console-in", move || forward_input(0, &serial))?;
+            spawn("console-in", move || {
+                seccomp::apply(seccomp::Thread::Console);
+                forward_input(0, &serial)
+            })?;
         }
         if let Some(path) = &self.config.console_socket {
             // A socket file left by the process this vm was forked from
@@ -180,6 +187,7 @@ impl Vmm {
                 .map_err(|e| RunError::ConsoleSocket(path.clone(), e))?;
             let serial = self.serial.clone();
             spawn("console-socket", move || {
+                seccomp::apply(seccomp::Thread::Console);
                 for conn in listener.incoming().flatten() {
                     forward_input(std::os::fd::AsRawFd::as_raw_fd(&conn), &serial);
                 }
@@ -193,10 +201,13 @@ impl Vmm {
             tap_fds,
             ..
         } = self.devices;
-        spawn("devices", move || loop {
-            if let Err(e) = event_manager.run() {
-                tracing::error!("device event loop failed: {e:?}");
-                return;
+        spawn("devices", move || {
+            seccomp::apply(seccomp::Thread::Devices);
+            loop {
+                if let Err(e) = event_manager.run() {
+                    tracing::error!("device event loop failed: {e:?}");
+                    return;
+                }
             }
         })?;
         let mem = self.mem.clone();

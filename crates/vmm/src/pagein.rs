@@ -413,16 +413,25 @@ impl PageIn {
         threads.push(
             std::thread::Builder::new()
                 .name("page-in".into())
-                .spawn(move || s.handler_loop())
+                .spawn(move || {
+                    crate::seccomp::apply(crate::seccomp::Thread::PageIn);
+                    s.handler_loop()
+                })
                 .map_err(|e| PageInError::Thread("page-in", e))?,
         );
         for _ in 0..prefetchers {
             let s = shared.clone();
-            threads.push(spawn("prefetch", move || s.prefetch())?);
+            threads.push(spawn("prefetch", move || {
+                crate::seccomp::apply(crate::seccomp::Thread::PageIn);
+                s.prefetch()
+            })?);
         }
         for _ in 0..readaheaders {
             let s = shared.clone();
-            threads.push(spawn("readahead", move || s.readahead_loop())?);
+            threads.push(spawn("readahead", move || {
+                crate::seccomp::apply(crate::seccomp::Thread::PageIn);
+                s.readahead_loop()
+            })?);
         }
         if prefetchers == 0 {
             shared.prefetch_done.store(true, Ordering::Release);

@@ -84,9 +84,13 @@ pub fn serve(
         let opts = opts.clone();
         std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || api_loop(listener, source, opts))
+            .spawn(move || {
+                crate::seccomp::apply(crate::seccomp::Thread::Api);
+                api_loop(listener, source, opts)
+            })
             .map_err(|e| RunError::Thread("api", e))?;
     }
+    crate::seccomp::apply(crate::seccomp::Thread::Main);
     on_running();
     let notifier = running.handle().exit_notifier().clone();
     let exit = running.wait();

@@ -666,6 +666,7 @@ impl Vcpu {
         let handle = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .spawn(move || {
+                crate::seccomp::apply(crate::seccomp::Thread::Vcpu);
                 let mut ctl = Control {
                     requests: req_rx,
                     replies: rep_tx,
