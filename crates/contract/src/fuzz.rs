@@ -86,4 +86,14 @@ mod tests {
         contract_toml(text.as_bytes());
         assert!(Contract::parse(text).is_ok());
     }
+
+    /// Every input under fuzz/regressions/contract_toml/ (failures found once).
+    #[test]
+    fn test_fuzz_regressions_replay() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/regressions/contract_toml");
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            contract_toml(&std::fs::read(e.path()).expect("regression input"));
+        }
+    }
 }

@@ -85,4 +85,14 @@ mod tests {
     fn test_message_round_trip() {
         round_trip(&Frame::Message(Message::Ping));
     }
+
+    /// Every input under fuzz/regressions/protocol_frame/ (failures found once).
+    #[test]
+    fn test_fuzz_regressions_replay() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/regressions/protocol_frame");
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            frames(&std::fs::read(e.path()).expect("regression input"));
+        }
+    }
 }

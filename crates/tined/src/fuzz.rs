@@ -98,4 +98,14 @@ mod tests {
             api_json(&data);
         }
     }
+
+    /// Every input under fuzz/regressions/api_json/ (failures found once).
+    #[test]
+    fn test_fuzz_regressions_replay() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/regressions/api_json");
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            api_json(&std::fs::read(e.path()).expect("regression input"));
+        }
+    }
 }

@@ -177,7 +177,11 @@ fn rd(t: &mut MmioTransport, offset: u64) -> u32 {
 fn probe(t: &mut MmioTransport, queues: usize, extra: u64) {
     wr(t, 0x70, 0);
     wr(t, 0x70, VIRTIO_CONFIG_S_ACKNOWLEDGE);
-    wr(t, 0x70, VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER);
+    wr(
+        t,
+        0x70,
+        VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+    );
     wr(t, 0x14, 0);
     let mut offered = u64::from(rd(t, 0x10));
     wr(t, 0x14, 1);
@@ -425,12 +429,24 @@ pub enum DeviceKind {
 /// One guest access to the MMIO window, or a step of the device thread.
 #[derive(Arbitrary, Debug)]
 pub enum MmioOp {
-    Read { offset: u16, size: u8 },
-    Write { offset: u16, size: u8, value: u64 },
+    Read {
+        offset: u16,
+        size: u8,
+    },
+    Write {
+        offset: u16,
+        size: u8,
+        value: u64,
+    },
     /// The whole Linux probe (so later accesses hit a running device).
-    Probe { features: u64 },
+    Probe {
+        features: u64,
+    },
     /// Guest memory written (rings, buffers), at an offset in region A.
-    Poke { offset: u32, bytes: Vec<u8> },
+    Poke {
+        offset: u32,
+        bytes: Vec<u8>,
+    },
     /// The device thread runs.
     Run,
 }
