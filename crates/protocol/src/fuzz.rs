@@ -52,6 +52,14 @@ mod tests {
             frames(&data);
         }
 
+        /// Short frames, the empty one included, with any type and body.
+        #[test]
+        fn prop_short_frames(len in 0u32..8, rest in proptest::collection::vec(any::<u8>(), 0..16)) {
+            let mut data = len.to_le_bytes().to_vec();
+            data.extend_from_slice(&rest);
+            frames(&data);
+        }
+
         /// A well-framed JSON body of any shape: a message or a Decode error.
         #[test]
         fn prop_message_bodies(json in "\\{\"[a-z_]{1,12}\":(null|[0-9]{1,20}|\"[ -~]{0,20}\"|\\[\\]|\\{\\})\\}") {
