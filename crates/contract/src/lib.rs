@@ -33,6 +33,9 @@
 //! "api.example.com" = "once-per-tree"   # once-per-tree | per-branch | deny-in-children | pass
 //! ```
 
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzz;
+
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 

@@ -38,6 +38,8 @@
 use std::io::{self, Read, Write};
 
 pub mod client;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzz;
 pub mod wake;
 pub use client::{
     attach, connect_vsock_uds, exec, exec_with, hello, hello_as, input, list_processes, ping,

@@ -149,6 +149,13 @@ pub fn encode<T: Serialize>(state: &T) -> Result<Vec<u8>, StateError> {
 /// Frames `state` in the versioned envelope, sealed with `seal`.
 pub fn encode_sealed<T: Serialize>(state: &T, seal: &Seal) -> Result<Vec<u8>, StateError> {
     let payload = serde_json::to_vec(state).map_err(StateError::Encode)?;
+    Ok(encode_raw(&payload, seal))
+}
+
+/// Frames `payload` (a state's JSON, unchecked) in the envelope, sealed
+/// with `seal`: for [`encode_sealed`], and for fuzzers that need valid
+/// envelopes around arbitrary payloads.
+pub fn encode_raw(payload: &[u8], seal: &Seal) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + TAG_LEN);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.major.to_le_bytes());
@@ -157,13 +164,13 @@ pub fn encode_sealed<T: Serialize>(state: &T, seal: &Seal) -> Result<Vec<u8>, St
     out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     out.extend_from_slice(&seal.manifest);
-    out.extend_from_slice(&payload);
+    out.extend_from_slice(payload);
     let tag = match seal.key {
         Some(k) => k.tag(&out),
         None => *blake3::hash(&out).as_bytes(),
     };
     out.extend_from_slice(&tag);
-    Ok(out)
+    out
 }
 
 /// The format version in a state's header, read before anything else.

@@ -10,6 +10,8 @@ pub mod e2b;
 pub mod error;
 pub mod events;
 pub mod fleet;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzz;
 pub mod idem;
 pub mod images;
 pub mod keep;

@@ -24,6 +24,8 @@ pub mod dirty;
 pub mod exit;
 pub mod fold;
 pub mod fork;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzz;
 pub mod layer;
 pub mod memory;
 pub mod moment;

@@ -22,6 +22,41 @@ mod control;
 mod envd;
 pub mod records;
 
+/// E2B's request bodies as its routes parse them, and Connect envelopes
+/// (the fuzz harness in `crate::fuzz`; these modules are private).
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn fuzz_body(data: &[u8]) {
+    use crate::state::parse_json;
+    let Some((&pick, body)) = data.split_first() else {
+        return;
+    };
+    match pick % 10 {
+        0 => drop(parse_json::<control::NewSandbox>(body)),
+        1 => drop(serde_json::from_slice::<control::PauseRequest>(body)),
+        2 => drop(serde_json::from_slice::<control::ConnectRequest>(body)),
+        3 => drop(parse_json::<control::TimeoutRequest>(body)),
+        4 => drop(serde_json::from_slice::<control::RefreshRequest>(body)),
+        5 => drop(serde_json::from_slice::<control::ForkRequest>(body)),
+        6 => drop(serde_json::from_slice::<control::SnapshotRequest>(body)),
+        7 => drop(connect::stream_request(body)),
+        8 => drop(connect::unary_request(body)),
+        _ => {
+            // A stream arriving in pieces of any size; an error ends it
+            // (an over-long envelope stays in the buffer).
+            let mut e = connect::Envelopes::default();
+            'stream: for piece in body.chunks(usize::from(pick % 7) + 1) {
+                e.push(piece);
+                while let Some(m) = e.next() {
+                    if m.is_err() {
+                        break 'stream;
+                    }
+                }
+            }
+            let _ = e.rest();
+        }
+    }
+}
+
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, delete, get, post, put};
