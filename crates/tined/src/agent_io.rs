@@ -863,22 +863,14 @@ pub async fn console(
                     let running = host::vm::console_log(&st.host, &name)
                         .map(|(_, r)| r)
                         .unwrap_or(false);
-                    // The VMM rotated the log at its cap (console.log ->
-                    // console.log.1): go on with the new file.
-                    if q.follow && rotated(&f, &path) {
-                        // What the old file got before it was renamed.
-                        while let Ok(n) = f.read(&mut buf) {
-                            if n == 0 || tx.blocking_send(Bytes::copy_from_slice(&buf[..n])).is_err() {
-                                break;
-                            }
+                    // The VMM emptied the log at its cap (its content
+                    // moved to console.log.1): go on from its start.
+                    if q.follow && shrank(&mut f) {
+                        use std::io::Seek;
+                        if f.seek(std::io::SeekFrom::Start(0)).is_err() {
+                            return;
                         }
-                        match std::fs::File::open(&path) {
-                            Ok(new) => {
-                                f = new;
-                                continue;
-                            }
-                            Err(_) => return,
-                        }
+                        continue;
                     }
                     if !q.follow || !running || tx.is_closed() {
                         // One more read catches what was written just before the end.
@@ -914,11 +906,12 @@ pub async fn console(
         .into_response())
 }
 
-/// Whether `path` names another file than `f` now (a rotated log).
-fn rotated(f: &std::fs::File, path: &std::path::Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (f.metadata(), std::fs::metadata(path)) {
-        (Ok(a), Ok(b)) => a.ino() != b.ino() || a.dev() != b.dev(),
+/// Whether `f` is now shorter than where its reader is (a log emptied at
+/// its cap).
+fn shrank(f: &mut std::fs::File) -> bool {
+    use std::io::Seek;
+    match (f.metadata(), f.stream_position()) {
+        (Ok(m), Ok(pos)) => m.len() < pos,
         _ => false,
     }
 }

@@ -35,15 +35,18 @@ pub struct ConsoleOutput {
 }
 
 /// The console log file: the guest writes it, so it is capped. At
-/// [`ConsoleLog::CAP`] bytes it is renamed to `NAME.1` (replacing the
-/// previous one) and a new file begins, so a vm's console costs at most
-/// twice the cap on disk however much the guest prints.
+/// [`ConsoleLog::CAP`] bytes its content moves to `NAME.1` (replacing the
+/// previous one) and it starts again empty, so a vm's console costs at
+/// most twice the cap on disk however much the guest prints. Both files
+/// are opened when the vm starts: serial output is written on the vCPU
+/// thread, whose seccomp filter allows no open or rename, only ftruncate
+/// and pread.
 #[derive(Debug)]
 struct ConsoleLog {
     file: File,
-    /// Where to rotate it (None: a file given without a path; capped by
-    /// dropping what is past the cap).
-    path: Option<PathBuf>,
+    /// `NAME.1` (None: a file given without a path; capped by dropping
+    /// what is past the cap).
+    old: Option<File>,
     size: u64,
 }
 
@@ -52,28 +55,34 @@ impl ConsoleLog {
 
     fn write(&mut self, buf: &[u8]) {
         if self.size + buf.len() as u64 > Self::CAP {
-            let Some(path) = &self.path else { return };
-            let mut old = path.clone().into_os_string();
-            old.push(".1");
-            let reopened = std::fs::rename(path, &old).and_then(|()| {
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .truncate(true)
-                    .open(path)
-            });
-            match reopened {
-                Ok(f) => {
-                    self.file = f;
-                    self.size = 0;
-                }
+            let Some(old) = &mut self.old else { return };
+            if Self::rotate(&self.file, old, self.size).is_err() {
                 // The cap holds: nothing more is written.
-                Err(_) => return,
+                return;
             }
+            self.size = 0;
         }
         if self.file.write_all(buf).is_ok() {
             self.size += buf.len() as u64;
         }
+    }
+
+    /// Copies `len` bytes of `file` into `old` (emptied first), then
+    /// empties `file` (opened for appending: the next write is at 0).
+    fn rotate(file: &File, old: &mut File, len: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        old.set_len(0)?;
+        let mut buf = vec![0u8; 64 << 10];
+        let mut at = 0u64;
+        while at < len {
+            let n = file.read_at(&mut buf, at)?;
+            if n == 0 {
+                break;
+            }
+            old.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+        file.set_len(0)
     }
 }
 
@@ -83,7 +92,7 @@ impl ConsoleOutput {
         let log = log.map(|file| ConsoleLog {
             size: file.metadata().map(|m| m.len()).unwrap_or(0),
             file,
-            path: None,
+            old: None,
         });
         Self { log, stdout }
     }
@@ -94,12 +103,20 @@ impl ConsoleOutput {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .read(true)
             .open(path)?;
+        let mut name = path.as_os_str().to_owned();
+        name.push(".1");
+        let old = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(PathBuf::from(name))?;
         Ok(Self {
             log: Some(ConsoleLog {
                 size: file.metadata()?.len(),
                 file,
-                path: Some(path.to_path_buf()),
+                old: Some(old),
             }),
             stdout,
         })
