@@ -77,13 +77,23 @@ fn state_shape(dir: &Path) -> BTreeSet<String> {
     shape(&v, "state", &mut out);
     shape(&m, "manifest", &mut out);
     // Values that differ between hosts or runs, not in kind.
-    out.retain(|p| !p.starts_with("manifest.compat.cpuid") && !p.starts_with("manifest.compat.msrs"));
+    out.retain(|p| {
+        !p.starts_with("manifest.compat.cpuid") && !p.starts_with("manifest.compat.msrs")
+    });
     out
 }
 
 /// A snapshot of a fresh micro-memtouch vm, written by this build.
 fn take(h: &Home, to: &Path) {
-    h.ok(&["run", "--name", "g", "--image", "micro-memtouch", "--mem", "64M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "g",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "64M",
+    ]);
     wait_console(h, "g", 0, "READY");
     h.ok(&["snapshot", "g", "--to", to.to_str().expect("utf8")]);
     h.ok(&["rm", "--force", "g"]);
@@ -150,7 +160,13 @@ fn test_every_golden_snapshot_restores_or_is_refused_by_name() {
         let dir = work.path().join(format!("v{version}"));
         unpack(&golden, &dir);
         let name = format!("g{}x{}", version.major, version.minor);
-        let args = ["run", "--name", &name, "--from", dir.to_str().expect("utf8")];
+        let args = [
+            "run",
+            "--name",
+            &name,
+            "--from",
+            dir.to_str().expect("utf8"),
+        ];
         if snapshot::FORMAT_VERSION.reads(version) {
             h.ok(&args);
             // It continues: memtouch answers, with the memory it had.
@@ -162,7 +178,10 @@ fn test_every_golden_snapshot_restores_or_is_refused_by_name() {
             let out = h.out(&args);
             let e = String::from_utf8_lossy(&out.stderr);
             assert!(!out.status.success(), "format {version} restored");
-            assert!(e.contains(&format!("format {version}")), "format {version}: {e}");
+            assert!(
+                e.contains(&format!("format {version}")),
+                "format {version}: {e}"
+            );
         }
     }
     assert!(seen >= 1, "no golden snapshots");

@@ -48,8 +48,8 @@ fn forged(
     let mut manifest: serde_json::Value = serde_json::from_slice(&text).expect("json");
     edit(&mut manifest, &mut moment);
     let text = serde_json::to_vec_pretty(&manifest).expect("json");
-    let state = snapshot::encode_sealed(&moment, &snapshot::Seal::of_manifest(&text, None))
-        .expect("seal");
+    let state =
+        snapshot::encode_sealed(&moment, &snapshot::Seal::of_manifest(&text, None)).expect("seal");
     std::fs::write(d.join("state"), state).expect("state");
     std::fs::write(d.join("manifest.json"), text).expect("manifest");
     d
@@ -62,13 +62,24 @@ fn test_forged_snapshots_are_refused_before_anything_runs() {
     }
     let h = Home::new("untrusted");
     let dir = TempDir::new("untrusteddir");
-    h.ok(&["run", "--name", "m", "--image", "micro-memtouch", "--mem", "64M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "m",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "64M",
+    ]);
     wait_console(&h, "m", "READY");
     let good = dir.path().join("good");
     h.ok(&["snapshot", "m", "--to", good.to_str().expect("utf8")]);
     let run_from = |d: &Path| {
         let name = d.file_name().and_then(|n| n.to_str()).expect("name");
-        err(&h, &["run", "--name", name, "--from", d.to_str().expect("utf8")])
+        err(
+            &h,
+            &["run", "--name", name, "--from", d.to_str().expect("utf8")],
+        )
     };
 
     // The manifest edited without its seal: the state names another one.
@@ -172,7 +183,13 @@ fn test_a_snapshot_cannot_name_a_host_file_as_its_disk() {
     let good = dir.path().join("good");
     h.ok(&["snapshot", "d", "--to", good.to_str().expect("utf8")]);
     // The snapshot as taken restores (its disk is a frozen layer in the home).
-    h.ok(&["run", "--name", "ok", "--from", good.to_str().expect("utf8")]);
+    h.ok(&[
+        "run",
+        "--name",
+        "ok",
+        "--from",
+        good.to_str().expect("utf8"),
+    ]);
     let secret = dir.path().join("host-secret");
     std::fs::write(&secret, vec![b's'; 8 << 20]).expect("secret");
     let d = forged(&good, dir.path(), "shadow", |m, _| {
@@ -181,7 +198,13 @@ fn test_a_snapshot_cannot_name_a_host_file_as_its_disk() {
     });
     let e = err(
         &h,
-        &["run", "--name", "shadow", "--from", d.to_str().expect("utf8")],
+        &[
+            "run",
+            "--name",
+            "shadow",
+            "--from",
+            d.to_str().expect("utf8"),
+        ],
     );
     assert!(e.contains("which is not a disk file under"), "{e}");
 }
@@ -196,7 +219,15 @@ fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
     // SAFETY: umask(2) only changes this process's mask; the tine
     // processes started below inherit it, as a careless shell would give.
     let old = unsafe { libc::umask(0) };
-    h.ok(&["run", "--name", "c", "--image", "micro-memtouch", "--mem", "64M"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "c",
+        "--image",
+        "micro-memtouch",
+        "--mem",
+        "64M",
+    ]);
     wait_console(&h, "c", "READY");
     let snap = dir.path().join("snap");
     h.ok(&["snapshot", "c", "--to", snap.to_str().expect("utf8")]);
@@ -215,9 +246,17 @@ fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
         assert_eq!(mode(&vm.join(f)) & 0o077, 0, "{f} is open to others");
     }
     for f in ["memory", "state", "manifest.json"] {
-        assert_eq!(mode(&snap.join(f)) & 0o077, 0, "snapshot {f} is open to others");
+        assert_eq!(
+            mode(&snap.join(f)) & 0o077,
+            0,
+            "snapshot {f} is open to others"
+        );
     }
-    assert_eq!(mode(&h.0.path().join("tined.sock")) & 0o077, 0, "tined.sock");
+    assert_eq!(
+        mode(&h.0.path().join("tined.sock")) & 0o077,
+        0,
+        "tined.sock"
+    );
 
     // Even with the modes opened by hand, the sockets check who connects.
     let setpriv = "setpriv";
@@ -231,7 +270,14 @@ fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
     open(&h.0.path().join("tined.sock"), 0o777);
     let as_nobody = |script: &str| {
         std::process::Command::new(setpriv)
-            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", script])
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sh",
+                "-c",
+                script,
+            ])
             .output()
             .expect("setpriv")
     };
@@ -328,24 +374,36 @@ fn test_a_guest_flooding_its_devices_cannot_fill_the_disk_or_stall_the_vmm() {
     let mut worst = Duration::ZERO;
     let mut pings = 0;
     while t0.elapsed() < Duration::from_secs(9) {
-        let took = ping(&api).unwrap_or_else(|e| panic!("the VMM did not answer during the flood: {e}"));
+        let took =
+            ping(&api).unwrap_or_else(|e| panic!("the VMM did not answer during the flood: {e}"));
         worst = worst.max(took);
         pings += 1;
         std::thread::sleep(Duration::from_millis(250));
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !console(&h, "f").contains("FLOODED") && !std::fs::read_to_string(h.0.path().join("vms/f/console.log.1")).unwrap_or_default().contains("FLOODED") {
+    while !console(&h, "f").contains("FLOODED")
+        && !std::fs::read_to_string(h.0.path().join("vms/f/console.log.1"))
+            .unwrap_or_default()
+            .contains("FLOODED")
+    {
         assert!(Instant::now() < deadline, "the flood never ended");
         std::thread::sleep(Duration::from_millis(100));
     }
     let grew = disk_use(h.0.path()).saturating_sub(before);
     eprintln!("flood: {pings} pings, slowest {worst:?}; the home grew {grew} bytes");
     assert!(worst < Duration::from_secs(2), "a ping took {worst:?}");
-    assert!(grew < 1 << 20, "the home grew {grew} bytes during the flood");
+    assert!(
+        grew < 1 << 20,
+        "the home grew {grew} bytes during the flood"
+    );
     // (The UART moves ~16 KB/s here, so the console's cap is not reached
     // in 10 s; crates/vmm's serial tests fill it directly.)
     let log = std::fs::read_to_string(h.0.path().join("vms/f/vmm.log")).unwrap_or_default();
-    assert!(log.lines().count() < 100, "vmm.log has {} lines", log.lines().count());
+    assert!(
+        log.lines().count() < 100,
+        "vmm.log has {} lines",
+        log.lines().count()
+    );
     // The vm goes on: it still answers on its console.
     let from = console(&h, "f").len();
     h.ok(&["console", "f", "--send", "ping"]);

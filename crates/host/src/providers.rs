@@ -23,7 +23,12 @@ fn path(home: &Path) -> PathBuf {
 /// The commands this host's owner allowed.
 pub fn allowed(home: &Path) -> Vec<String> {
     std::fs::read_to_string(path(home))
-        .map(|t| t.lines().filter(|l| !l.is_empty()).map(str::to_owned).collect())
+        .map(|t| {
+            t.lines()
+                .filter(|l| !l.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -37,7 +42,8 @@ pub fn allow(home: &Path, command: &str) -> crate::Result<()> {
     let mut list = allowed(home);
     if !list.iter().any(|c| c == command) {
         list.push(command.to_string());
-        std::fs::create_dir_all(home).with_context(|| format!("cannot create {}", home.display()))?;
+        std::fs::create_dir_all(home)
+            .with_context(|| format!("cannot create {}", home.display()))?;
         state::write_atomic(&path(home), (list.join("\n") + "\n").as_bytes())?;
     }
     Ok(())

@@ -283,7 +283,8 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> crate::Result<()> {
 pub fn close_home(home: &Path) -> crate::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     std::fs::create_dir_all(home).with_context(|| format!("cannot create {}", home.display()))?;
-    let meta = std::fs::metadata(home).with_context(|| format!("cannot read {}", home.display()))?;
+    let meta =
+        std::fs::metadata(home).with_context(|| format!("cannot read {}", home.display()))?;
     if meta.uid() != nix::unistd::geteuid().as_raw() {
         return Err(crate::Error::invalid(format!(
             "{} belongs to uid {}, not to this user: tine keeps guest memory and keys there, so it uses only a directory of its own (set TINE_HOME)",

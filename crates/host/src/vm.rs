@@ -311,8 +311,8 @@ fn confine_disks(home: &Path, dir: &Path, m: &vmm::snapshot_dir::Manifest) -> cr
     let root = std::fs::canonicalize(home)
         .with_context(|| format!("cannot resolve {}", home.display()))?;
     for (i, d) in m.disks.iter().enumerate() {
-        let inside = std::fs::canonicalize(&d.path)
-            .is_ok_and(|p| p.starts_with(&root) && p.is_file());
+        let inside =
+            std::fs::canonicalize(&d.path).is_ok_and(|p| p.starts_with(&root) && p.is_file());
         if !inside {
             return Err(Error::invalid(format!(
                 "the snapshot in {} names disk {i} at {}, which is not a disk file under {}: a snapshot's disks are frozen layers tine made there; take the snapshot again on this host, or wake it from the store",

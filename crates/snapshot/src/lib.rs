@@ -201,7 +201,8 @@ pub fn decode_sealed<T: DeserializeOwned>(bytes: &[u8], seal: &Seal) -> Result<T
     if bytes.len() < HEADER_LEN + TAG_LEN {
         return Err(StateError::Truncated(bytes.len()));
     }
-    let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+    let word =
+        |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
     let flags = word(12);
     if flags & !FLAG_KEYED != 0 {
         return Err(StateError::Flags(flags));
@@ -285,13 +286,19 @@ mod tests {
         // A newer minor version is refused; an older one is read.
         let mut newer = bytes.clone();
         newer[10..12].copy_from_slice(&(FORMAT_VERSION.minor + 1).to_le_bytes());
-        assert!(matches!(decode::<S>(&newer), Err(StateError::Version { .. })));
+        assert!(matches!(
+            decode::<S>(&newer),
+            Err(StateError::Version { .. })
+        ));
         // A state of format 2 (a u32 version, CRC32) is refused by name.
         let mut old = bytes.clone();
         old[8..12].copy_from_slice(&2u32.to_le_bytes());
         let e = decode::<S>(&old).expect_err("format 2");
         assert!(matches!(e, StateError::Version { found } if found == Version::new(2, 0)));
-        assert!(e.to_string().contains("State format 2.0 cannot be read"), "{e}");
+        assert!(
+            e.to_string().contains("State format 2.0 cannot be read"),
+            "{e}"
+        );
         let n = bytes.len();
         bytes[n - 40] ^= 0xff;
         assert!(matches!(decode::<S>(&bytes), Err(StateError::Checksum)));

@@ -83,7 +83,10 @@ fn peer_allowed(stream: &tokio::net::UnixStream) -> Result<(), String> {
     if cred.uid() == me || cred.uid() == 0 {
         Ok(())
     } else {
-        Err(format!("uid {} is not tined's user ({me}) or root", cred.uid()))
+        Err(format!(
+            "uid {} is not tined's user ({me}) or root",
+            cred.uid()
+        ))
     }
 }
 

@@ -84,13 +84,14 @@ pub fn requests(
                 }
                 let tx = tx.clone();
                 let readers = readers.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("api-read".into())
-                    .spawn(move || {
-                        let req = read_request(&conn);
-                        readers.fetch_sub(1, Ordering::SeqCst);
-                        let _ = tx.send((conn, req));
-                    });
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("api-read".into())
+                        .spawn(move || {
+                            let req = read_request(&conn);
+                            readers.fetch_sub(1, Ordering::SeqCst);
+                            let _ = tx.send((conn, req));
+                        });
                 if spawned.is_err() {
                     // The reader count stays raised: the process is out
                     // of threads, and refusing more is right.

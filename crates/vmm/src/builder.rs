@@ -304,12 +304,14 @@ fn legacy_devices(
     saved: Option<&SerialState>,
 ) -> Result<(Bus, Arc<Mutex<SerialDevice>>), BuildError> {
     let out = match &config.console_log {
-        Some(path) => ConsoleOutput::with_log_path(path, config.console_stdout).map_err(
-            |source| BuildError::ConsoleLog {
-                path: path.clone(),
-                source,
-            },
-        )?,
+        Some(path) => {
+            ConsoleOutput::with_log_path(path, config.console_stdout).map_err(|source| {
+                BuildError::ConsoleLog {
+                    path: path.clone(),
+                    source,
+                }
+            })?
+        }
         None => ConsoleOutput::new(None, config.console_stdout),
     };
     let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;

@@ -450,7 +450,12 @@ fn check_machine(path: &Path, m: &Manifest) -> Result<(), SnapshotDirError> {
     };
     match config.validate() {
         Ok(()) | Err(ConfigError::KernelMissing(_)) => {}
-        Err(e) => return Err(machine(format!("{} MiB of memory", m.mem_mib), e.to_string())),
+        Err(e) => {
+            return Err(machine(
+                format!("{} MiB of memory", m.mem_mib),
+                e.to_string(),
+            ))
+        }
     }
     if m.disks.len() + usize::from(m.vsock_cid.is_some()) > 16 {
         return Err(machine(

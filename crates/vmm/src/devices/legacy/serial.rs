@@ -306,7 +306,11 @@ mod tests {
         let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
         let old = dir.join("console.log.1");
         assert!(size(&path) <= ConsoleLog::CAP, "{}", size(&path));
-        assert!(size(&old) <= ConsoleLog::CAP && size(&old) > 0, "{}", size(&old));
+        assert!(
+            size(&old) <= ConsoleLog::CAP && size(&old) > 0,
+            "{}",
+            size(&old)
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

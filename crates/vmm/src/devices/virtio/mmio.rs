@@ -1140,6 +1140,7 @@ mod tests {
             assert!(e.to_string().contains("not inside guest memory"), "{e}");
         }
         let (_m, _d, mut t3) = setup();
-        t3.restore_state(&good).expect("the unedited state restores");
+        t3.restore_state(&good)
+            .expect("the unedited state restores");
     }
 }

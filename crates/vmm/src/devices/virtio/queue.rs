@@ -178,7 +178,9 @@ impl GuestWarnings {
         if self.count <= Self::LIMIT {
             tracing::warn!("{dev}: {args}");
             if self.count == Self::LIMIT {
-                tracing::warn!("{dev}: further guest errors are counted, and summarized once a minute");
+                tracing::warn!(
+                    "{dev}: further guest errors are counted, and summarized once a minute"
+                );
                 self.summarized = Some(std::time::Instant::now());
             }
             return;

@@ -156,12 +156,15 @@ impl Vsock {
                 Reset::Sent { posted }
             }
             _ => {
-                self.base.warn(format_args!("the driver's event buffer is unusable; transport reset not sent"));
+                self.base.warn(format_args!(
+                    "the driver's event buffer is unusable; transport reset not sent"
+                ));
                 Reset::None
             }
         };
         if let Err(e) = queue.add_used(&*mem, head, len) {
-            self.base.warn(format_args!("cannot return event buffer: {e}"));
+            self.base
+                .warn(format_args!("cannot return event buffer: {e}"));
         }
         raise_vring(interrupt, DEV);
     }
@@ -330,7 +333,9 @@ impl Vsock {
                     self.muxer.handle_tx(pkt, ops)
                 }
                 Err(PacketError::BadLength { hdr, len, avail }) => {
-                    self.base.warn(format_args!("tx packet length {len} but {avail} bytes in chain, resetting"));
+                    self.base.warn(format_args!(
+                        "tx packet length {len} but {avail} bytes in chain, resetting"
+                    ));
                     self.muxer.reject(&hdr, ops);
                 }
                 Err(e) => self.base.warn(format_args!("dropping tx chain: {e}")),
