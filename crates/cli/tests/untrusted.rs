@@ -291,13 +291,14 @@ fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
         "nobody listed the vms through tined.sock: {said}"
     );
     let out = as_nobody(&format!(
-        "echo '{{\"op\":\"ping\"}}' | socat -t 5 - UNIX-CONNECT:{}",
+        "echo '{{\"op\":\"ping\"}}' | socat -t 15 - UNIX-CONNECT:{}",
         vm.join("api.sock").display()
     ));
     let reply = String::from_utf8_lossy(&out.stdout);
     assert!(
         reply.contains("may not use this vm's control socket"),
-        "nobody pinged the VMM: {reply:?}"
+        "nobody pinged the VMM: {reply:?} {}",
+        String::from_utf8_lossy(&out.stderr)
     );
     // The owner still can.
     h.ok(&["fork", "c", "-n", "1"]);

@@ -492,7 +492,9 @@ fn test_diff_layer_of_a_lazily_woken_vm_wakes_into_the_same_memory() {
         &regions,
     );
     let state = std::fs::read(snap.join("state")).expect("state");
-    let m1: Moment = snapshot::decode(&state).expect("decode state");
+    let text = std::fs::read(snap.join("manifest.json")).expect("manifest");
+    let m1: Moment = snapshot::decode_sealed(&state, &snapshot::Seal::of_manifest(&text, None))
+        .expect("decode state");
     let console = Console::in_dir(&dir, "s1");
     let src = FileSource::open(&dir.join("memory-s1"), &regions).expect("memory-s1");
     let running = pagein::restore_lazy(
