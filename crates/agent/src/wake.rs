@@ -148,6 +148,7 @@ pub fn wake(w: &Wake, ctx: &Ctx) -> WakeReport {
     step(&mut steps, "clock".into(), || clock(w, t0, ctx));
     step(&mut steps, "hostname".into(), || hostname(w, ctx));
     step(&mut steps, "machine_id".into(), || machine_id(w, ctx));
+    step(&mut steps, "identity".into(), || identity(w, ctx));
     step(&mut steps, "connections".into(), || connections(w, ctx));
     step(&mut steps, "network".into(), || {
         network(w.net.as_ref(), ctx)
@@ -363,6 +364,127 @@ fn machine_id(w: &Wake, ctx: &Ctx) -> StepResult {
         0o444,
     )?;
     Ok(Done::Ok(format!("/etc/machine-id is {id}")))
+}
+
+/// What else names a machine, renewed with its machine id: the D-Bus
+/// machine id (a file of its own on some systems), systemd's random seed
+/// (two clones must not credit the same seed), the SSH host keys (clones
+/// elsewhere shipped identical ones; the new fingerprints are reported),
+/// and the boot id the guest sees (a new one bound over
+/// /proc/sys/kernel/random/boot_id).
+fn identity(w: &Wake, ctx: &Ctx) -> StepResult {
+    let Some(id) = &w.machine_id else {
+        return Ok(Done::Skipped("kept (the machine id is kept)".into()));
+    };
+    let mut did = Vec::new();
+    let dbus = ctx.path("/var/lib/dbus/machine-id")?;
+    if fs::symlink_metadata(&dbus).is_ok_and(|m| m.is_file()) {
+        write_atomic(&dbus, format!("{id}\n").as_bytes(), 0o444)?;
+        did.push("D-Bus machine id renewed".to_string());
+    }
+    let seed = ctx.path("/var/lib/systemd/random-seed")?;
+    if seed.exists() {
+        fs::remove_file(&seed).map_err(|e| format!("{}: {e}", seed.display()))?;
+        did.push("systemd random-seed discarded".into());
+    }
+    did.extend(ssh_host_keys(ctx)?);
+    if !ctx.sandbox() {
+        did.push(new_boot_id()?);
+    }
+    if did.is_empty() {
+        return Ok(Done::Skipped("nothing else names this machine".into()));
+    }
+    Ok(Done::Ok(did.join("; ")))
+}
+
+const SSH_KEYGEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// New SSH host keys where sshd has some: the old ones go, `ssh-keygen
+/// -A` makes every default type anew. Returns the new fingerprints.
+fn ssh_host_keys(ctx: &Ctx) -> Result<Vec<String>, String> {
+    let dir = ctx.path("/etc/ssh")?;
+    let old: Vec<PathBuf> = fs::read_dir(&dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("ssh_host_") && (n.ends_with("_key") || n.ends_with("_key.pub")))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if old.is_empty() {
+        return Ok(Vec::new());
+    }
+    let tool = ["/usr/bin/ssh-keygen", "/bin/ssh-keygen"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.exists())
+        .ok_or("the vm has SSH host keys but no ssh-keygen to renew them")?;
+    for p in &old {
+        fs::remove_file(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    let mut cmd = Command::new(tool);
+    cmd.arg("-A");
+    if let Some(root) = &ctx.root {
+        cmd.arg("-f").arg(root);
+    }
+    let out = run(&mut cmd, SSH_KEYGEN_TIMEOUT).map_err(|e| format!("cannot run ssh-keygen: {e}"))?;
+    if !out.success() {
+        return Err(format!("ssh-keygen -A failed: {}", out.describe()));
+    }
+    let mut prints: Vec<String> = fs::read_dir(&dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("ssh_host_") && n.ends_with(".pub")))
+        .filter_map(|e| fs::read_to_string(e.path()).ok())
+        .filter_map(|line| fingerprint(&line))
+        .collect();
+    prints.sort();
+    Ok(vec![format!("SSH host keys renewed: {}", prints.join(", "))])
+}
+
+/// `TYPE SHA256:...` of a public key line, as `ssh-keygen -l` prints it.
+fn fingerprint(pub_line: &str) -> Option<String> {
+    use base64::Engine;
+    use sha2::Digest;
+    let mut f = pub_line.split_whitespace();
+    let kind = f.next()?;
+    let blob = base64::engine::general_purpose::STANDARD.decode(f.next()?).ok()?;
+    let sum = sha2::Sha256::digest(&blob);
+    Some(format!(
+        "{kind} SHA256:{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(sum)
+    ))
+}
+
+/// A new boot id for the guest's programs, bound over the kernel's.
+fn new_boot_id() -> Result<String, String> {
+    let mut b = [0u8; 16];
+    File::open("/dev/urandom")
+        .and_then(|mut f| io::Read::read_exact(&mut f, &mut b))
+        .map_err(|e| format!("/dev/urandom: {e}"))?;
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = to_hex(&b);
+    let uuid = format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]);
+    fs::create_dir_all("/run/tine").map_err(|e| format!("/run/tine: {e}"))?;
+    let file = Path::new("/run/tine/boot_id");
+    write_atomic(file, format!("{uuid}\n").as_bytes(), 0o444)?;
+    let target = "/proc/sys/kernel/random/boot_id";
+    // A bind mount left by an earlier wake is replaced, not stacked.
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|e| e.to_string());
+    let (src, dst) = (c("/run/tine/boot_id")?, c(target)?);
+    // SAFETY: two NUL-terminated paths that outlive the calls.
+    unsafe {
+        libc::umount2(dst.as_ptr(), libc::MNT_DETACH);
+        if libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) != 0 {
+            return Err(format!("cannot bind a new boot id over {target}: {}", io::Error::last_os_error()));
+        }
+    }
+    Ok(format!("boot id {uuid}"))
 }
 
 fn connections(w: &Wake, ctx: &Ctx) -> StepResult {

@@ -187,6 +187,7 @@ fn test_full_wake_in_sandbox() {
             "clock",
             "hostname",
             "machine_id",
+            "identity",
             "connections",
             "network",
             "secret:keep",
@@ -503,4 +504,45 @@ fn test_gateway_ca_goes_into_the_trust_store_once() {
     assert_eq!(step(&r, "ca").status, StepStatus::Failed);
     let r = a.wake(base_wake());
     assert_eq!(step(&r, "ca").status, StepStatus::Skipped, "not asked for");
+}
+
+#[test]
+fn test_a_copy_gets_new_ssh_host_keys_dbus_id_and_no_random_seed() {
+    let a = Sandbox::start();
+    // An image's identity, as a clone inherits it.
+    fs::create_dir_all(a.at("/etc/ssh")).expect("mkdir");
+    let st = std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(a.at("/etc/ssh/ssh_host_ed25519_key"))
+        .status()
+        .expect("ssh-keygen (openssh-client) is installed by scripts/setup");
+    assert!(st.success());
+    let old_pub = fs::read_to_string(a.at("/etc/ssh/ssh_host_ed25519_key.pub")).expect("pub");
+    a.put("/var/lib/dbus/machine-id", "ffffffffffffffffffffffffffffffff\n", 0o444);
+    a.put("/var/lib/systemd/random-seed", "the parent's seed", 0o600);
+    let r = a.wake(base_wake());
+    let s = step(&r, "identity");
+    assert_eq!(s.status, StepStatus::Ok, "{s:?}");
+    let new_pub = fs::read_to_string(a.at("/etc/ssh/ssh_host_ed25519_key.pub")).expect("new pub");
+    assert_ne!(old_pub, new_pub, "the host key was not renewed");
+    // The reported fingerprint is ssh-keygen's own.
+    let shown = std::process::Command::new("ssh-keygen")
+        .arg("-lf")
+        .arg(a.at("/etc/ssh/ssh_host_ed25519_key.pub"))
+        .output()
+        .expect("ssh-keygen -l");
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    let print = shown.split_whitespace().nth(1).expect("fingerprint");
+    assert!(s.detail.contains(print), "{} lacks {print}", s.detail);
+    assert_eq!(
+        fs::read_to_string(a.at("/var/lib/dbus/machine-id")).expect("dbus"),
+        "0123456789abcdef0123456789abcdef\n"
+    );
+    assert!(!a.at("/var/lib/systemd/random-seed").exists(), "the seed was kept");
+    // A copy whose contract keeps the machine id keeps the rest too.
+    let r = a.wake(Wake {
+        machine_id: None,
+        ..base_wake()
+    });
+    assert_eq!(step(&r, "identity").status, StepStatus::Skipped);
 }
