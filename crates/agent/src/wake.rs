@@ -408,9 +408,10 @@ fn ssh_host_keys(ctx: &Ctx) -> Result<Vec<String>, String> {
             d.filter_map(Result::ok)
                 .map(|e| e.path())
                 .filter(|p| {
-                    p.file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with("ssh_host_") && (n.ends_with("_key") || n.ends_with("_key.pub")))
+                    p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                        n.starts_with("ssh_host_")
+                            && (n.ends_with("_key") || n.ends_with("_key.pub"))
+                    })
                 })
                 .collect()
         })
@@ -431,19 +432,27 @@ fn ssh_host_keys(ctx: &Ctx) -> Result<Vec<String>, String> {
     if let Some(root) = &ctx.root {
         cmd.arg("-f").arg(root);
     }
-    let out = run(&mut cmd, SSH_KEYGEN_TIMEOUT).map_err(|e| format!("cannot run ssh-keygen: {e}"))?;
+    let out =
+        run(&mut cmd, SSH_KEYGEN_TIMEOUT).map_err(|e| format!("cannot run ssh-keygen: {e}"))?;
     if !out.success() {
         return Err(format!("ssh-keygen -A failed: {}", out.describe()));
     }
     let mut prints: Vec<String> = fs::read_dir(&dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("ssh_host_") && n.ends_with(".pub")))
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with("ssh_host_") && n.ends_with(".pub"))
+        })
         .filter_map(|e| fs::read_to_string(e.path()).ok())
         .filter_map(|line| fingerprint(&line))
         .collect();
     prints.sort();
-    Ok(vec![format!("SSH host keys renewed: {}", prints.join(", "))])
+    Ok(vec![format!(
+        "SSH host keys renewed: {}",
+        prints.join(", ")
+    )])
 }
 
 /// `TYPE SHA256:...` of a public key line, as `ssh-keygen -l` prints it.
@@ -452,7 +461,9 @@ fn fingerprint(pub_line: &str) -> Option<String> {
     use sha2::Digest;
     let mut f = pub_line.split_whitespace();
     let kind = f.next()?;
-    let blob = base64::engine::general_purpose::STANDARD.decode(f.next()?).ok()?;
+    let blob = base64::engine::general_purpose::STANDARD
+        .decode(f.next()?)
+        .ok()?;
     let sum = sha2::Sha256::digest(&blob);
     Some(format!(
         "{kind} SHA256:{}",
@@ -469,7 +480,14 @@ fn new_boot_id() -> Result<String, String> {
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
     let h = to_hex(&b);
-    let uuid = format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32]);
+    let uuid = format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    );
     fs::create_dir_all("/run/tine").map_err(|e| format!("/run/tine: {e}"))?;
     let file = Path::new("/run/tine/boot_id");
     write_atomic(file, format!("{uuid}\n").as_bytes(), 0o444)?;
@@ -480,8 +498,18 @@ fn new_boot_id() -> Result<String, String> {
     // SAFETY: two NUL-terminated paths that outlive the calls.
     unsafe {
         libc::umount2(dst.as_ptr(), libc::MNT_DETACH);
-        if libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) != 0 {
-            return Err(format!("cannot bind a new boot id over {target}: {}", io::Error::last_os_error()));
+        if libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(format!(
+                "cannot bind a new boot id over {target}: {}",
+                io::Error::last_os_error()
+            ));
         }
     }
     Ok(format!("boot id {uuid}"))

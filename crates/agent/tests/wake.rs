@@ -518,7 +518,11 @@ fn test_a_copy_gets_new_ssh_host_keys_dbus_id_and_no_random_seed() {
         .expect("ssh-keygen (openssh-client) is installed by scripts/setup");
     assert!(st.success());
     let old_pub = fs::read_to_string(a.at("/etc/ssh/ssh_host_ed25519_key.pub")).expect("pub");
-    a.put("/var/lib/dbus/machine-id", "ffffffffffffffffffffffffffffffff\n", 0o444);
+    a.put(
+        "/var/lib/dbus/machine-id",
+        "ffffffffffffffffffffffffffffffff\n",
+        0o444,
+    );
     a.put("/var/lib/systemd/random-seed", "the parent's seed", 0o600);
     let r = a.wake(base_wake());
     let s = step(&r, "identity");
@@ -538,7 +542,10 @@ fn test_a_copy_gets_new_ssh_host_keys_dbus_id_and_no_random_seed() {
         fs::read_to_string(a.at("/var/lib/dbus/machine-id")).expect("dbus"),
         "0123456789abcdef0123456789abcdef\n"
     );
-    assert!(!a.at("/var/lib/systemd/random-seed").exists(), "the seed was kept");
+    assert!(
+        !a.at("/var/lib/systemd/random-seed").exists(),
+        "the seed was kept"
+    );
     // A copy whose contract keeps the machine id keeps the rest too.
     let r = a.wake(Wake {
         machine_id: None,

@@ -364,7 +364,7 @@ mod tests {
     pub(crate) fn offer() -> HostCompat {
         HostCompat {
             tine_version: "0.1.0".into(),
-            format_version: 1,
+            format_version: snapshot::Version::new(1, 0),
             kernel: "6.1".into(),
             cpu_vendor: "GenuineIntel".into(),
             cpuid: vec![],

@@ -173,7 +173,7 @@ mod tests {
     fn offer(ecx: u32) -> HostCompat {
         HostCompat {
             tine_version: "0.1.0".into(),
-            format_version: 1,
+            format_version: snapshot::Version::new(1, 0),
             kernel: "6.1".into(),
             cpu_vendor: "GenuineIntel".into(),
             cpuid: vec![CpuidEntry {
@@ -213,7 +213,7 @@ mod tests {
     fn compat(ecx: u32) -> Compat {
         Compat {
             tine_version: "0.1.0".into(),
-            format_version: 1,
+            format_version: snapshot::Version::new(1, 0),
             host_kernel: "6.1".into(),
             cpu_vendor: "GenuineIntel".into(),
             cpuid: vec![CpuidEntry {

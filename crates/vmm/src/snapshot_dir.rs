@@ -436,7 +436,7 @@ fn check_machine(path: &Path, m: &Manifest) -> Result<(), SnapshotDirError> {
     };
     let vcpus = u8::try_from(m.vcpus)
         .ok()
-        .filter(|&n| n >= 1 && n <= MAX_VCPUS)
+        .filter(|n| (1..=MAX_VCPUS).contains(n))
         .ok_or_else(|| {
             machine(
                 format!("{} vCPUs", m.vcpus),
