@@ -36,8 +36,9 @@ fn main() {
     let common = rules_of("common");
     let threads: Vec<&String> = file.keys().filter(|k| *k != "common").collect();
     let mut out = String::from(
-        "/// (thread category, program killing the process on a syscall not \
-         allowed, program logging it); each instruction is (code, jt, jf, k).\n\
+        "/// (thread category, program trapping a syscall not allowed (SIGSYS, \
+         fatal unless vmm::seccomp::report_violations caught it: it reports \
+         and ends the process), program logging it); each instruction is (code, jt, jf, k).\n\
          #[allow(clippy::type_complexity)]\n\
          pub const FILTERS: &[(&str, &[(u16, u8, u8, u32)], &[(u16, u8, u8, u32)])] = &[\n",
     );
@@ -50,7 +51,7 @@ fn main() {
             }
         }
         let rules = merge(name, rules);
-        let kill = compile(name, &rules, "kill_process");
+        let kill = compile(name, &rules, "trap");
         let log = compile(name, &rules, "log");
         let _ = writeln!(out, "    ({name:?}, &{kill:?}, &{log:?}),");
     }

@@ -157,6 +157,27 @@ fn test_forged_snapshots_are_refused_before_anything_runs() {
     assert_eq!(rows.len(), 1, "only m: {rows:?}");
 }
 
+/// Runs micro guest `image` as `name` (64 MiB) with a fresh 8 MiB raw disk
+/// in `dir`, and waits for `ready` on its console.
+fn run_with_disk(h: &Home, dir: &Path, name: &str, image: &str, ready: &str) {
+    let disk = dir.join(format!("{name}.raw"));
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(8 << 20))
+        .expect("disk");
+    h.ok(&[
+        "run",
+        "--name",
+        name,
+        "--image",
+        image,
+        "--mem",
+        "64M",
+        "--disk",
+        disk.to_str().expect("utf8"),
+    ]);
+    wait_console(h, name, ready);
+}
+
 #[test]
 fn test_a_snapshot_cannot_name_a_host_file_as_its_disk() {
     if !kvm_available() {
@@ -164,22 +185,7 @@ fn test_a_snapshot_cannot_name_a_host_file_as_its_disk() {
     }
     let h = Home::new("untrusteddisk");
     let dir = TempDir::new("untrusteddiskdir");
-    let disk = dir.path().join("disk.raw");
-    std::fs::File::create(&disk)
-        .and_then(|f| f.set_len(8 << 20))
-        .expect("disk");
-    h.ok(&[
-        "run",
-        "--name",
-        "d",
-        "--image",
-        "micro-memtouch",
-        "--mem",
-        "64M",
-        "--disk",
-        disk.to_str().expect("utf8"),
-    ]);
-    wait_console(&h, "d", "READY");
+    run_with_disk(&h, dir.path(), "d", "micro-memtouch", "READY");
     let good = dir.path().join("good");
     h.ok(&["snapshot", "d", "--to", good.to_str().expect("utf8")]);
     // The snapshot as taken restores (its disk is a frozen layer in the home).
@@ -349,22 +355,7 @@ fn test_a_guest_flooding_its_devices_cannot_fill_the_disk_or_stall_the_vmm() {
     }
     let h = Home::new("flood");
     let dir = TempDir::new("flooddir");
-    let disk = dir.path().join("disk.raw");
-    std::fs::File::create(&disk)
-        .and_then(|f| f.set_len(8 << 20))
-        .expect("disk");
-    h.ok(&[
-        "run",
-        "--name",
-        "f",
-        "--image",
-        "micro-blkio",
-        "--mem",
-        "64M",
-        "--disk",
-        disk.to_str().expect("utf8"),
-    ]);
-    wait_console(&h, "f", "DISK ");
+    run_with_disk(&h, dir.path(), "f", "micro-blkio", "DISK ");
     let before = disk_use(h.0.path());
     h.ok(&["console", "f", "--send", "flood 10"]);
     // An idle client holds a connection open throughout: it must not

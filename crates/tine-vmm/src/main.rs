@@ -54,7 +54,10 @@ fn main() -> ExitCode {
 fn seccomp_from_env() -> anyhow::Result<()> {
     use vmm::seccomp::{enable, Mode};
     match std::env::var("TINE_SECCOMP").as_deref() {
-        Err(_) | Ok("" | "on" | "kill") => enable(Mode::Kill)?,
+        Err(_) | Ok("" | "on" | "kill") => {
+            vmm::seccomp::report_violations()?;
+            enable(Mode::Kill)?
+        }
         Ok("log") => enable(Mode::Log)?,
         Ok("off") => {}
         Ok(other) => anyhow::bail!("TINE_SECCOMP={other}: expected on, log or off"),
