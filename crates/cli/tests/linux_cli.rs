@@ -100,7 +100,13 @@ fn test_exec_cp_and_lifecycle_through_the_agent() {
     // A command that outlives its timeout is killed and reported.
     let started = std::time::Instant::now();
     let out = h.out(&["exec", "one", "--timeout", "1", "--", "sleep", "30"]);
-    assert_eq!(out.status.code(), Some(137));
+    assert_eq!(
+        out.status.code(),
+        Some(137),
+        "{} {}",
+        String::from_utf8_lossy(&out.stderr),
+        common::file_tail(&h.0.path().join("vms/one/vmm.log"), 5)
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("timed out"));
     assert!(started.elapsed().as_secs() < 20);
 
