@@ -160,13 +160,18 @@ thread_local! {
 /// thread`), which tined shows as the vm's exit reason, instead of a
 /// silent SIGSYS. Call once, before any filter is installed.
 pub fn report_violations() -> std::io::Result<()> {
-    extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    extern "C" fn on_sigsys(
+        _sig: libc::c_int,
+        info: *mut libc::siginfo_t,
+        _ctx: *mut libc::c_void,
+    ) {
         // siginfo_t for SIGSYS: the syscall number is the int after the
         // 16-byte header and the 8-byte call address (<asm/siginfo.h>).
         // SAFETY: the kernel hands a valid siginfo_t to an SA_SIGINFO
         // handler; the read stays inside its 128 bytes.
         let nr = unsafe { info.cast::<u8>().add(24).cast::<i32>().read_unaligned() };
-        let mut buf = *b"tine: seccomp: syscall       is not allowed in a          thread; the VMM stops\n";
+        let mut buf =
+            *b"tine: seccomp: syscall       is not allowed in a          thread; the VMM stops\n";
         let name = CATEGORY
             .try_with(|c| c.get())
             .ok()
