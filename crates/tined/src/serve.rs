@@ -65,28 +65,13 @@ pub async fn unix(
         };
         // The socket is 0600 in a 0700 home; the peer's uid is checked
         // too, so a mode changed by hand or a shared home opens nothing.
-        if let Err(e) = peer_allowed(&stream) {
+        if let Err(e) = vmm::api_socket::check_peer(&stream) {
             tracing::warn!("refused a connection to tined.sock: {e}");
             continue;
         }
         let app = app.clone();
         let stop = stop.clone();
         tokio::spawn(async move { connection(stream, app, None, stop).await });
-    }
-}
-
-/// This process's user or root.
-fn peer_allowed(stream: &tokio::net::UnixStream) -> Result<(), String> {
-    let cred = stream.peer_cred().map_err(|e| e.to_string())?;
-    // SAFETY: geteuid(2) cannot fail.
-    let me = unsafe { libc::geteuid() };
-    if cred.uid() == me || cred.uid() == 0 {
-        Ok(())
-    } else {
-        Err(format!(
-            "uid {} is not tined's user ({me}) or root",
-            cred.uid()
-        ))
     }
 }
 

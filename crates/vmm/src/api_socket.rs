@@ -18,8 +18,9 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections being read at once; more are refused as busy.
 pub const MAX_READERS: usize = 16;
 
-/// Refuses a peer that is neither this process's user nor root.
-pub fn check_peer(conn: &UnixStream) -> Result<(), String> {
+/// Refuses a peer that is neither this process's user nor root (the rule
+/// of every control socket: tined's too).
+pub fn check_peer(conn: &impl std::os::fd::AsFd) -> Result<(), String> {
     let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
     let me = nix::unistd::geteuid().as_raw();
