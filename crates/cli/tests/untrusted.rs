@@ -405,3 +405,118 @@ fn test_a_guest_flooding_its_devices_cannot_fill_the_disk_or_stall_the_vmm() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A field of /proc/PID/status.
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in the status of {pid}"))
+        .trim()
+        .to_string()
+}
+
+/// The directory of the group that counts `pid`'s processes (the pids
+/// controller's: v1 on this machine, v2 in the nested test host).
+fn pids_group(pid: u32) -> std::path::PathBuf {
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    for l in cg.lines() {
+        let mut f = l.splitn(3, ':');
+        let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        if ctrl.split(',').any(|c| c == "pids") {
+            return Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'));
+        }
+    }
+    let path = cg
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .expect("a cgroup v2 line");
+    Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
+}
+
+fn pid_of(h: &Home, vm: &str) -> u32 {
+    h.ls()
+        .iter()
+        .find(|v| v["name"] == vm)
+        .and_then(|v| v["pid"].as_u64())
+        .unwrap_or_else(|| panic!("{vm} has no pid")) as u32
+}
+
+#[test]
+fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
+    if !kvm_available() {
+        return;
+    }
+    let h = Home::new("jail");
+    h.ok(&[
+        "run",
+        "--name",
+        "a",
+        "--image",
+        "micro-counter",
+        "--mem",
+        "128M",
+    ]);
+    h.ok(&["fork", "a", "--names", "b"]);
+    let (a, b) = (pid_of(&h, "a"), pid_of(&h, "b"));
+    for (vm, pid) in [("a", a), ("b", b)] {
+        // No capability (no --net), no new privileges, seccomp filtering.
+        assert_eq!(status_field(pid, "CapEff"), "0000000000000000", "{vm}");
+        assert_eq!(status_field(pid, "CapBnd"), "0000000000000000", "{vm}");
+        assert_eq!(status_field(pid, "NoNewPrivs"), "1", "{vm}");
+        assert_eq!(status_field(pid, "Seccomp"), "2", "{vm}");
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+        let line = |what: &str| {
+            limits
+                .lines()
+                .find(|l| l.starts_with(what))
+                .unwrap_or_default()
+                .split_whitespace()
+                .rev()
+                .nth(1)
+                .map(str::to_string)
+        };
+        assert_eq!(
+            line("Max core file size").as_deref(),
+            Some("0"),
+            "{vm}: {limits}"
+        );
+        assert_eq!(
+            line("Max open files").as_deref(),
+            Some("4096"),
+            "{vm}: {limits}"
+        );
+        // Its own group (a child left its parent's), with the vm's limits.
+        let group = pids_group(pid);
+        assert!(group.ends_with(vm), "{vm} runs in {}", group.display());
+        let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
+        assert_eq!(max.trim(), "1024", "{vm}");
+    }
+    let group = pids_group(a);
+    // A process left in a's group (as a lost writer would be) ends with
+    // `rm`, and the group goes.
+    let mut stray = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .expect("sleep");
+    std::fs::write(group.join("cgroup.procs"), stray.id().to_string()).expect("join the group");
+    let out = h.ok(&["rm", "--force", "a"]);
+    assert!(out.contains("removed"), "{out}");
+    let t0 = Instant::now();
+    let st = loop {
+        if let Some(st) = stray.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "rm left a process of the vm's group running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!st.success(), "{st:?}");
+    assert!(!group.exists(), "{} is left", group.display());
+    // The child runs on in its own group.
+    assert!(pids_group(b).ends_with("b"));
+    h.ok(&["rm", "--force", "b"]);
+}

@@ -53,6 +53,7 @@ pub(crate) fn identity(vm: &VmDir, r: &VmRecord) -> Identity {
         vsock: r.vsock.then(|| vm.vsock()),
         api_socket: vm.api_socket(),
         exit_file: vm.exit_path(),
+        cgroups: Vec::new(),
     }
 }
 
@@ -280,14 +281,28 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     };
     // Children to be woken stay parked until their wake: none of them runs
     // on the parent's identity meanwhile (nor ages its CRNG seed).
-    let children: Vec<Identity> = dirs
+    let children: crate::Result<Vec<Identity>> = dirs
         .iter()
         .zip(&recs)
-        .map(|(d, c)| Identity {
-            start_paused: r.agent,
-            ..identity(d, c)
+        .map(|(d, c)| {
+            Ok(Identity {
+                start_paused: r.agent,
+                cgroups: crate::cgroup::prepare(
+                    &h.home,
+                    &d.name,
+                    crate::cgroup::Limits::of(c.mem_mib, c.vcpus),
+                )?,
+                ..identity(d, c)
+            })
         })
         .collect();
+    let children = match children {
+        Ok(c) => c,
+        Err(e) => {
+            undo(intent);
+            return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
+        }
+    };
 
     let quiesce_t = Instant::now();
     let quiesced = match wake::quiesce(&vm, &r) {

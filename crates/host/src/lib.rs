@@ -14,6 +14,7 @@
 
 pub mod agent;
 pub mod branches;
+pub mod cgroup;
 pub mod checkpoints;
 pub mod contract;
 pub mod error;

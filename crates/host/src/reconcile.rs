@@ -59,6 +59,9 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
         let _ = std::fs::remove_file(path);
     }
     report.strays_ended += sweep(h);
+    // Groups of vms that are gone (an `rm` killed halfway).
+    let live: Vec<String> = state::list(&h.home)?.into_iter().map(|v| v.name).collect();
+    crate::cgroup::sweep(&h.home, &live);
     let (_, problems) = crate::layers::after_removal(h);
     for p in problems {
         tracing::warn!("{p}");

@@ -19,7 +19,7 @@ use crate::error::Context;
 use crate::intent::{Intent, Op, Phase};
 use crate::proc::Pid;
 use crate::state::{self, VmDir, VmRecord, VmState};
-use crate::{agent, bail, gateway, lock, net, wake, Error, Host};
+use crate::{agent, bail, cgroup, gateway, lock, net, wake, Error, Host};
 
 /// The MAC a vm started with `net` gets.
 pub const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
@@ -601,6 +601,7 @@ pub(crate) fn undo_start(h: &Host, vm: &VmDir) {
             net::release(&h.home, &l);
         }
     }
+    cgroup::remove(&h.home, &vm.name);
     let _ = std::fs::remove_dir_all(&vm.dir);
 }
 
@@ -613,7 +614,8 @@ fn restore_command(
     m: &vmm::snapshot_dir::Manifest,
 ) -> crate::Result<(Command, usize)> {
     let dir = spec.from.as_deref().unwrap_or(Path::new("."));
-    let mut cmd = base_command(h, vm)?;
+    let vcpus = u8::try_from(m.vcpus).unwrap_or(u8::MAX);
+    let mut cmd = base_command(h, vm, cgroup::Limits::of(m.mem_mib, vcpus))?;
     cmd.arg("--from").arg(dir);
     let mut n = 0;
     for d in &m.disks {
@@ -680,7 +682,7 @@ fn boot_command(
     spec: &RunSpec,
     plan: &Plan,
 ) -> crate::Result<(Command, usize)> {
-    let mut cmd = base_command(h, vm)?;
+    let mut cmd = base_command(h, vm, cgroup::Limits::of(spec.mem_mib, spec.vcpus))?;
     if let Some(b) = &plan.boot {
         cmd.arg("--kernel").arg(&b.kernel);
         if let Some(i) = &b.initrd {
@@ -711,10 +713,14 @@ fn boot_command(
     Ok((cmd, plan.bases.len()))
 }
 
-/// `tine-vmm` with the vm's own console, exit file and control socket.
-fn base_command(h: &Host, vm: &VmDir) -> crate::Result<Command> {
+/// `tine-vmm` with the vm's own console, exit file, control socket and
+/// cgroup (made here with `limits`; the VMM joins it first thing).
+fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<Command> {
     let mut cmd = Command::new(&h.bins.vmm);
     cmd.arg("--name").arg(&vm.name);
+    for dir in cgroup::prepare(&h.home, &vm.name, limits)? {
+        cmd.arg("--cgroup").arg(dir);
+    }
     cmd.arg("--console-log").arg(vm.console_log());
     cmd.arg("--console-socket").arg(vm.console_socket());
     cmd.arg("--exit-file").arg(vm.exit_path());
@@ -1060,6 +1066,9 @@ pub(crate) fn remove_locked(h: &Host, vm: &VmDir, r: &VmRecord) -> crate::Result
         processes += 1;
     }
     processes += crate::checkpoints::drop_checkpoints(vm);
+    // Whatever the vm's processes left behind (a writer, a template the
+    // records lost) ends with its group.
+    processes += cgroup::remove(&h.home, &vm.name);
     gateway::unregister(h, r);
     if let Some(l) = &r.lease {
         net::forget(&tap_name(&vm.name));

@@ -93,6 +93,10 @@ pub struct VmmArgs {
     /// Where a lazy wake writes the working set it records.
     #[arg(long, hide = true, requires = "lazy_snapshot")]
     working_set_out: Option<PathBuf>,
+    /// Join this cgroup before anything else (repeatable: one per cgroup
+    /// v1 hierarchy); the host made it with the vm's limits.
+    #[arg(long = "cgroup", hide = true)]
+    cgroups: Vec<PathBuf>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -105,6 +109,12 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
         api_socket: args.api_socket.clone(),
         exit_file: args.exit_file.clone(),
     };
+    // The jail first: nothing of the guest or the snapshot is read
+    // outside it (docs/design/isolation.md).
+    if let Err(e) = jail(&args) {
+        process::write_exit(&opts, &format!("failed to start: {e:#}"));
+        return Err(e);
+    }
     let vmm = match build_or_restore(args) {
         Ok(v) => v,
         Err(e) => {
@@ -115,6 +125,21 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
     let (exit, reason) = process::serve(vmm, opts, || {}).context("vm failed")?;
     eprintln!("tine: guest {reason}");
     Ok(ExitCode::from(exit.exit_code() as u8))
+}
+
+/// Enters the VMM's jail (`TINE_JAIL=off` skips it: for debugging only).
+fn jail(args: &VmmArgs) -> anyhow::Result<()> {
+    match std::env::var("TINE_JAIL").as_deref() {
+        Err(_) | Ok("" | "on") => {}
+        Ok("off") => return Ok(()),
+        Ok(other) => anyhow::bail!("TINE_JAIL={other}: expected on or off"),
+    }
+    let report = vmm::jail::enter(&vmm::jail::Jail {
+        cgroups: args.cgroups.clone(),
+        net_admin: !args.nets.is_empty(),
+    })?;
+    tracing::debug!(?report, "jailed");
+    Ok(())
 }
 
 fn build_or_restore(args: VmmArgs) -> anyhow::Result<vmm::Vmm> {

@@ -26,6 +26,7 @@ pub mod fold;
 pub mod fork;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzz;
+pub mod jail;
 pub mod layer;
 pub mod memory;
 pub mod moment;

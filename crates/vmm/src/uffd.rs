@@ -6,9 +6,10 @@
 //! (and CI's fresh ones) have none. The ABI is six ioctls and one message
 //! struct; nothing here interprets more than that.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 
 use linux_raw_sys::general::{
     uffd_msg, uffdio_api, uffdio_copy, uffdio_range, uffdio_register, uffdio_zeropage,
@@ -45,15 +46,34 @@ pub enum Resolve {
 }
 
 impl Uffd {
-    /// A new non-blocking, close-on-exec userfaultfd. Needs root or
-    /// CAP_SYS_PTRACE (kernel-mode faults are handled too).
+    /// A new non-blocking, close-on-exec userfaultfd that handles
+    /// kernel-mode faults too (KVM's). The syscall needs CAP_SYS_PTRACE
+    /// (vm.unprivileged_userfaultfd=0), which a jailed VMM has not:
+    /// then `/dev/userfaultfd` (Linux 6.1+), whose file mode is the check.
     pub fn new() -> io::Result<Self> {
         let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
         // SAFETY: the userfaultfd syscall takes one flags argument and
         // returns a new fd or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+        let mut fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
         if fd < 0 {
-            return Err(io::Error::last_os_error());
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EPERM) {
+                return Err(err);
+            }
+            let dev = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open("/dev/userfaultfd")
+                .map_err(|_| err)?;
+            // USERFAULTFD_IOC_NEW = _IO(0xAA, 0x00).
+            const USERFAULTFD_IOC_NEW: libc::c_ulong = 0xAA00;
+            // SAFETY: USERFAULTFD_IOC_NEW takes the flags by value and
+            // returns a new fd or -1; `dev` is open for the call.
+            fd = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW, flags) } as i64;
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
         }
         // SAFETY: a fresh fd nobody else owns.
         let file = unsafe { File::from_raw_fd(fd as RawFd) };

@@ -1,0 +1,387 @@
+//! One cgroup per vm, with limits from its size (docs/design/isolation.md,
+//! "The jail"). The host makes the group and writes its limits; the VMM
+//! joins it itself before it reads a guest byte (`vmm::jail`), and a fork
+//! child joins its own before it starts a thread, so no vm's processes
+//! ever count against another's limits. `rm` ends whatever is left in
+//! the group, then removes it.
+//!
+//! cgroup v2 when its hierarchy has the memory, pids and cpu controllers
+//! (the nested test host); otherwise the v1 hierarchies of those
+//! controllers (this machine mounts them v1 beside an empty v2).
+//! Groups live at the hierarchy's root, under `tine-<home>` (a digest of
+//! `$TINE_HOME`), so every process of this home finds them whatever group
+//! it runs in itself.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crate::error::Context;
+
+/// A vm's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of memory its processes may have charged.
+    pub memory: u64,
+    /// Processes and threads.
+    pub pids: u64,
+    /// CPU time per period, in µs (of [`CPU_PERIOD_US`]).
+    pub cpu_quota_us: u64,
+}
+
+/// The CPU bandwidth period.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// Processes and threads of one vm: vCPUs, devices, console, API, page-in
+/// (the store's runtime), one process per checkpoint and per writer.
+/// Generous for what a vm does, tight for a fork bomb.
+pub const PIDS_PER_VM: u64 = 1024;
+
+/// Memory beyond the guest's for the VMM itself (devices, page tables,
+/// the page cache of what it writes).
+const OVERHEAD_MIB: u64 = 256;
+
+impl Limits {
+    /// From the vm's size. Memory: twice the guest's plus the VMM's
+    /// overhead, because a page is charged to the group that first
+    /// touched it: after a fork the children keep the parent's pages
+    /// (charged to the parent's group) while the parent writes new ones.
+    /// CPU: one core per vCPU plus one for the device and API threads.
+    pub fn of(mem_mib: u64, vcpus: u8) -> Self {
+        Self {
+            memory: (2 * mem_mib + OVERHEAD_MIB) << 20,
+            pids: PIDS_PER_VM,
+            cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
+        }
+    }
+}
+
+/// Where groups are made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Hierarchy {
+    /// The cgroup2 mount point.
+    V2(PathBuf),
+    /// The v1 mount points of the memory, pids and cpu controllers.
+    V1 {
+        memory: PathBuf,
+        pids: PathBuf,
+        cpu: PathBuf,
+    },
+}
+
+/// This host's hierarchy, found once; None when neither has the
+/// controllers (no cgroup filesystem mounted, or not root).
+fn hierarchy() -> Option<&'static Hierarchy> {
+    static H: OnceLock<Option<Hierarchy>> = OnceLock::new();
+    H.get_or_init(|| {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+        detect(&info, |p| std::fs::read_to_string(p).ok())
+    })
+    .as_ref()
+}
+
+/// The hierarchy from /proc/self/mountinfo; `read` reads a file (the
+/// v2 root's `cgroup.controllers`).
+fn detect(mountinfo: &str, read: impl Fn(&Path) -> Option<String>) -> Option<Hierarchy> {
+    let mut v2 = None;
+    let (mut memory, mut pids, mut cpu) = (None, None, None);
+    for line in mountinfo.lines() {
+        // id parent major:minor root mountpoint options [optional...] - fstype source superoptions
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let f: Vec<&str> = left.split(' ').collect();
+        let r: Vec<&str> = right.split(' ').collect();
+        let (Some(root), Some(point), Some(fstype)) = (f.get(3), f.get(4), r.first()) else {
+            continue;
+        };
+        // A bind mount of a subgroup is not a hierarchy's root.
+        if *root != "/" {
+            continue;
+        }
+        let point = PathBuf::from(point);
+        match *fstype {
+            "cgroup2" => v2 = v2.or(Some(point)),
+            "cgroup" => {
+                let opts = r.get(2).copied().unwrap_or("");
+                for o in opts.split(',') {
+                    match o {
+                        "memory" => memory = memory.or(Some(point.clone())),
+                        "pids" => pids = pids.or(Some(point.clone())),
+                        "cpu" => cpu = cpu.or(Some(point.clone())),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if let Some(root) = v2 {
+        let controllers = read(&root.join("cgroup.controllers")).unwrap_or_default();
+        let has = |c: &str| controllers.split_whitespace().any(|x| x == c);
+        if has("memory") && has("pids") && has("cpu") {
+            return Some(Hierarchy::V2(root));
+        }
+    }
+    Some(Hierarchy::V1 {
+        memory: memory?,
+        pids: pids?,
+        cpu: cpu?,
+    })
+}
+
+/// The per-home parent group's name.
+fn home_group(home: &Path) -> String {
+    let h = blake3::hash(home.as_os_str().as_encoded_bytes());
+    format!("tine-{}", &h.to_hex()[..12])
+}
+
+/// Makes (or reuses) vm `name`'s group with `limits` and returns the
+/// directories its VMM joins (`tine-vmm --cgroup`). Empty when this host
+/// has no usable cgroup hierarchy: the vm then runs without limits, and
+/// [`available`] says so.
+pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<PathBuf>> {
+    let Some(h) = hierarchy() else {
+        return Ok(Vec::new());
+    };
+    let parent = home_group(home);
+    match h {
+        Hierarchy::V2(root) => {
+            let base = root.join(&parent);
+            let dir = base.join(name);
+            mkdir(&base)?;
+            // Controllers reach a group only if its parent delegates them.
+            for d in [root.as_path(), base.as_path()] {
+                write(&d.join("cgroup.subtree_control"), "+memory +pids +cpu")?;
+            }
+            mkdir_group(&dir)?;
+            write(&dir.join("memory.max"), &limits.memory.to_string())?;
+            // Guest memory never goes to swap (where it would outlive
+            // the vm on a disk).
+            let _ = write(&dir.join("memory.swap.max"), "0");
+            write(&dir.join("memory.oom.group"), "1")?;
+            write(&dir.join("pids.max"), &limits.pids.to_string())?;
+            write(
+                &dir.join("cpu.max"),
+                &format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+            )?;
+            Ok(vec![dir])
+        }
+        Hierarchy::V1 { memory, pids, cpu } => {
+            let mut dirs = Vec::new();
+            for root in [memory, pids, cpu] {
+                let dir = root.join(&parent).join(name);
+                mkdir_group(&dir)?;
+                dirs.push(dir);
+            }
+            write(
+                &dirs[0].join("memory.limit_in_bytes"),
+                &limits.memory.to_string(),
+            )?;
+            write(&dirs[1].join("pids.max"), &limits.pids.to_string())?;
+            write(
+                &dirs[2].join("cpu.cfs_period_us"),
+                &CPU_PERIOD_US.to_string(),
+            )?;
+            write(
+                &dirs[2].join("cpu.cfs_quota_us"),
+                &limits.cpu_quota_us.to_string(),
+            )?;
+            // One hierarchy may hold several controllers (cpu,cpuacct):
+            // the same directory then appears once.
+            dirs.dedup();
+            Ok(dirs)
+        }
+    }
+}
+
+/// Whether vms of this host run in cgroups, and which version.
+pub fn available() -> Option<&'static str> {
+    hierarchy().map(|h| match h {
+        Hierarchy::V2(_) => "v2",
+        Hierarchy::V1 { .. } => "v1",
+    })
+}
+
+/// vm `name`'s group directories (whether or not they exist).
+fn dirs_of(home: &Path, name: &str) -> Vec<PathBuf> {
+    let parent = home_group(home);
+    let mut dirs: Vec<PathBuf> = match hierarchy() {
+        None => Vec::new(),
+        Some(Hierarchy::V2(root)) => vec![root.join(&parent).join(name)],
+        Some(Hierarchy::V1 { memory, pids, cpu }) => [memory, pids, cpu]
+            .iter()
+            .map(|r| r.join(&parent).join(name))
+            .collect(),
+    };
+    dirs.dedup();
+    dirs
+}
+
+/// The processes in vm `name`'s group.
+pub fn pids(home: &Path, name: &str) -> Vec<u32> {
+    let mut out: Vec<u32> = Vec::new();
+    for d in dirs_of(home, name) {
+        if let Ok(text) = std::fs::read_to_string(d.join("cgroup.procs")) {
+            out.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Ends every process left in vm `name`'s group and removes the group.
+/// Returns how many processes it killed. Best effort: a group that cannot
+/// go yet (a process in uninterruptible sleep) is left for the next `rm`
+/// or reconcile.
+pub fn remove(home: &Path, name: &str) -> usize {
+    let dirs = dirs_of(home, name);
+    if dirs.iter().all(|d| !d.exists()) {
+        return 0;
+    }
+    let mut killed = 0;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = pids(home, name);
+        if left.is_empty() {
+            break;
+        }
+        for pid in &left {
+            // SAFETY: kill(2) with a pid from the group and SIGKILL.
+            if unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) } == 0 {
+                killed += 1;
+            }
+        }
+        if Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for d in &dirs {
+        let _ = std::fs::remove_dir(d);
+        // The home's group goes with its last vm (fails while others live).
+        if let Some(parent) = d.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+    killed
+}
+
+/// Removes the groups of this home whose vm is gone (`live` are the
+/// names of the vms that exist). For reconcile.
+pub fn sweep(home: &Path, live: &[String]) {
+    let parent = home_group(home);
+    let roots: Vec<PathBuf> = match hierarchy() {
+        None => return,
+        Some(Hierarchy::V2(root)) => vec![root.clone()],
+        Some(Hierarchy::V1 { memory, pids, cpu }) => {
+            vec![memory.clone(), pids.clone(), cpu.clone()]
+        }
+    };
+    let mut gone = Vec::new();
+    for root in roots {
+        let Ok(entries) = std::fs::read_dir(root.join(&parent)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if !e.path().is_dir() {
+                continue;
+            }
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !live.contains(&name) && !gone.contains(&name) {
+                gone.push(name);
+            }
+        }
+    }
+    for name in gone {
+        remove(home, &name);
+    }
+}
+
+/// Makes `dir` and its parent (the home's group, which a concurrent
+/// [`remove`] of the home's last vm may take away between the two).
+fn mkdir_group(dir: &Path) -> crate::Result<()> {
+    let parent = dir.parent().unwrap_or(dir);
+    for _ in 0..3 {
+        mkdir(parent)?;
+        match std::fs::create_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(mkdir_error(dir, e)),
+        }
+    }
+    mkdir(dir)
+}
+
+fn mkdir_error(dir: &Path, e: std::io::Error) -> crate::Error {
+    crate::Error::from(e).context(format!(
+        "cannot create the cgroup {} (is tine run as root?)",
+        dir.display()
+    ))
+}
+
+fn mkdir(dir: &Path) -> crate::Result<()> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(mkdir_error(dir, e)),
+    }
+}
+
+/// One write(2): cgroup files take a whole value per write.
+fn write(path: &Path, value: &str) -> crate::Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(value.as_bytes()))
+        .with_context(|| format!("cannot write {value:?} to {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V1: &str = "\
+25 24 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755
+30 25 0:27 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+31 25 0:28 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+32 25 0:29 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+33 25 0:30 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+
+    #[test]
+    fn test_v1_is_used_when_v2_has_no_controllers() {
+        let h = detect(V1, |_| Some("hugetlb\n".into()));
+        assert_eq!(
+            h,
+            Some(Hierarchy::V1 {
+                memory: "/sys/fs/cgroup/memory".into(),
+                pids: "/sys/fs/cgroup/pids".into(),
+                cpu: "/sys/fs/cgroup/cpu".into(),
+            })
+        );
+    }
+
+    #[test]
+    fn test_v2_with_controllers_wins() {
+        let info = "40 1 0:35 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let h = detect(info, |_| Some("cpuset cpu io memory pids\n".into()));
+        assert_eq!(h, Some(Hierarchy::V2("/sys/fs/cgroup".into())));
+        // No controllers and no v1: no cgroups.
+        assert_eq!(detect(info, |_| Some(String::new())), None);
+        // A bind-mounted subgroup is not a root.
+        let sub = "40 1 0:35 /x /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(detect(sub, |_| Some("cpu memory pids".into())), None);
+    }
+
+    #[test]
+    fn test_limits_follow_the_size() {
+        let l = Limits::of(1024, 2);
+        assert_eq!(l.memory, (2048 + 256) << 20);
+        assert_eq!(l.cpu_quota_us, 300_000);
+        assert_eq!(l.pids, PIDS_PER_VM);
+    }
+}
