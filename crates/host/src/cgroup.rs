@@ -1,9 +1,9 @@
 //! One cgroup per vm, with limits from its size (docs/design/isolation.md,
 //! "The jail"). The host makes the group and writes its limits; the VMM
-//! joins it itself before it reads a guest byte (`vmm::jail`), and a fork
-//! child joins its own before it starts a thread, so no vm's processes
-//! ever count against another's limits. `rm` ends whatever is left in
-//! the group, then removes it.
+//! joins it itself before it reads a guest byte (`vmm::jail`); a fork
+//! child is moved into its own by the host as soon as the fork answers
+//! (the jailed VMM sees no cgroup filesystem, so it cannot raise its
+//! limits). `rm` ends whatever is left in the group, then removes it.
 //!
 //! cgroup v2 when its hierarchy has the memory, pids and cpu controllers
 //! (the nested test host); otherwise the v1 hierarchies of those
@@ -194,6 +194,15 @@ pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<Pat
             Ok(dirs)
         }
     }
+}
+
+/// Moves process `pid` (all its threads) into the group at `dirs` (from
+/// [`prepare`]).
+pub fn enter(dirs: &[PathBuf], pid: u32) -> crate::Result<()> {
+    for d in dirs {
+        write(&d.join("cgroup.procs"), &pid.to_string())?;
+    }
+    Ok(())
 }
 
 /// Whether vms of this host run in cgroups, and which version.

@@ -53,7 +53,6 @@ pub(crate) fn identity(vm: &VmDir, r: &VmRecord) -> Identity {
         vsock: r.vsock.then(|| vm.vsock()),
         api_socket: vm.api_socket(),
         exit_file: vm.exit_path(),
-        cgroups: Vec::new(),
     }
 }
 
@@ -281,23 +280,30 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     };
     // Children to be woken stay parked until their wake: none of them runs
     // on the parent's identity meanwhile (nor ages its CRNG seed).
-    let children: crate::Result<Vec<Identity>> = dirs
+    let children: Vec<Identity> = dirs
+        .iter()
+        .zip(&recs)
+        .map(|(d, c)| Identity {
+            start_paused: r.agent,
+            ..identity(d, c)
+        })
+        .collect();
+    // Each child's own cgroup, made now (a failure pauses nothing); the
+    // child is moved into it as soon as its pid is known. (The jailed
+    // VMM sees no cgroup filesystem, so it cannot change its limits.)
+    let groups: crate::Result<Vec<Vec<PathBuf>>> = dirs
         .iter()
         .zip(&recs)
         .map(|(d, c)| {
-            Ok(Identity {
-                start_paused: r.agent,
-                cgroups: crate::cgroup::prepare(
-                    &h.home,
-                    &d.name,
-                    crate::cgroup::Limits::of(c.mem_mib, c.vcpus),
-                )?,
-                ..identity(d, c)
-            })
+            crate::cgroup::prepare(
+                &h.home,
+                &d.name,
+                crate::cgroup::Limits::of(c.mem_mib, c.vcpus),
+            )
         })
         .collect();
-    let children = match children {
-        Ok(c) => c,
+    let groups = match groups {
+        Ok(g) => g,
         Err(e) => {
             undo(intent);
             return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
@@ -354,6 +360,12 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     };
     let reply = call.reply.clone();
     crate::fault::point("fork:answered");
+    let mut problems = Vec::new();
+    for (group, &pid) in groups.iter().zip(&reply.children) {
+        if let Err(e) = crate::cgroup::enter(group, pid) {
+            problems.push(e.to_string());
+        }
+    }
     for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
         rec.pid = pid;
         rec.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -368,7 +380,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     // Recorded: the old VMM may go.
     drop(call);
     let copies: Vec<(&VmDir, &VmRecord)> = dirs.iter().zip(recs.iter()).collect();
-    let mut problems = moment.end(h, true, &copies);
+    problems.extend(moment.end(h, true, &copies));
     let forked_ms = t0.elapsed().as_secs_f64() * 1000.0;
 
     // Wake-up: the parent and every child, at once.
@@ -802,6 +814,16 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
             created: !dir.exists(),
         },
     )?;
+    // The VMM writes the directory; a jailed one sees it only once it is
+    // mounted into its namespace.
+    let shown = std::fs::create_dir_all(&dir)
+        .with_context(|| format!("cannot create {}", dir.display()))
+        .and_then(|()| crate::jail::expose(r.pid, &dir));
+    if let Err(e) = shown {
+        crate::settle::undo_snapshot_dir(intent.record());
+        intent.done();
+        return Err(e.context(format!("cannot snapshot {name:?}")));
+    }
     let spawning = crate::settle::spawning();
     let res = moment_of(
         h,

@@ -23,6 +23,7 @@ pub mod fault;
 pub mod fork;
 pub mod gateway;
 pub mod intent;
+pub mod jail;
 pub mod layers;
 pub mod lock;
 pub mod net;

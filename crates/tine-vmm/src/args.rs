@@ -18,88 +18,88 @@ pub const DEFAULT_CMDLINE: &str =
 pub struct VmmArgs {
     /// Kernel: uncompressed ELF vmlinux, bzImage, or a micro guest ELF.
     #[arg(long, required_unless_present_any = ["image", "from"], conflicts_with_all = ["image", "from"])]
-    kernel: Option<PathBuf>,
+    pub(crate) kernel: Option<PathBuf>,
     /// Image: `minimal` or `debian` (built by `tine image build [debian]`),
     /// `micro-counter`, `micro-memtouch`, `micro-blkio`, or an image directory. An image
     /// with a root filesystem gets it as /dev/vda (read-only unless the
     /// first --disk replaces it).
     #[arg(long, conflicts_with = "from")]
-    image: Option<String>,
+    pub(crate) image: Option<String>,
     /// Restore a snapshot directory (`tine snapshot --to DIR`) instead of
     /// booting: memory is mapped copy-on-write from DIR/memory. Give a
     /// --disk for every disk of the snapshot, in order (a top layer on
     /// each frozen layer, or the read-only base with `,ro`).
     #[arg(long)]
-    from: Option<PathBuf>,
+    pub(crate) from: Option<PathBuf>,
     /// Initramfs to load (with --kernel).
     #[arg(long, conflicts_with = "image")]
-    initrd: Option<PathBuf>,
+    pub(crate) initrd: Option<PathBuf>,
     /// Kernel command line (default for --kernel: a serial console setup;
     /// for --image: the image's own).
     #[arg(long)]
-    cmdline: Option<String>,
+    pub(crate) cmdline: Option<String>,
     /// Words appended to the command line.
     #[arg(long)]
-    append: Option<String>,
+    pub(crate) append: Option<String>,
     /// Guest memory (e.g. 256M, 1G).
     #[arg(long, default_value = "256M", value_parser = crate::size::parse_mib)]
-    mem: u64,
+    pub(crate) mem: u64,
     /// Number of vCPUs (1–4).
     #[arg(long, default_value_t = 1)]
-    vcpus: u8,
+    pub(crate) vcpus: u8,
     /// CPU template: `t2`, `t2s`, or a custom template's JSON file. The
     /// guest's CPUID is normalized to it and its snapshots wake on any
     /// host that satisfies it; refused on a host that does not. A
     /// restored vm keeps its snapshot's.
     #[arg(long, conflicts_with = "from")]
-    cpu_template: Option<String>,
+    pub(crate) cpu_template: Option<String>,
     /// Append the guest console (COM1) to this file.
     #[arg(long)]
-    console_log: Option<PathBuf>,
+    pub(crate) console_log: Option<PathBuf>,
     /// Feed bytes written to this Unix socket to the console.
     #[arg(long)]
-    console_socket: Option<PathBuf>,
+    pub(crate) console_socket: Option<PathBuf>,
     /// Attach the console to this process's stdin/stdout.
     #[arg(long)]
-    console: bool,
+    pub(crate) console: bool,
     /// Raw disk image as virtio-blk; append `,ro` for read-only. Repeatable.
     #[arg(long = "disk")]
-    disks: Vec<String>,
+    pub(crate) disks: Vec<String>,
     /// Tap device as virtio-net, `TAP[,mac=52:54:00:12:34:56]`. Repeatable.
     #[arg(long = "net")]
-    nets: Vec<String>,
+    pub(crate) nets: Vec<String>,
     /// virtio-vsock with a host Unix socket, `PATH[,cid=3]`.
     #[arg(long)]
-    vsock: Option<String>,
+    pub(crate) vsock: Option<String>,
     /// Write why the vm ended to this file (JSON) when the VMM exits.
     #[arg(long, hide = true)]
-    exit_file: Option<PathBuf>,
+    pub(crate) exit_file: Option<PathBuf>,
     /// Serve the control socket (fork, checkpoint, snapshot) here.
     #[arg(long, hide = true)]
-    api_socket: Option<PathBuf>,
+    pub(crate) api_socket: Option<PathBuf>,
     /// The vm's name (for frozen layer names and logs).
     #[arg(long, hide = true, default_value = "vm")]
-    name: String,
+    pub(crate) name: String,
     /// With --from: page guest RAM in lazily (userfaultfd) from this
     /// snapshot of the store instead of mapping DIR/memory (`tine wake
     /// --lazy`).
     #[arg(long, hide = true, requires = "from")]
-    lazy_snapshot: Option<i64>,
+    pub(crate) lazy_snapshot: Option<i64>,
     /// With --from: track dirty pages from the first instruction,
     /// relative to this label (the store snapshot being restored), so the
     /// next `tine sleep` stores only what changed.
     #[arg(long, hide = true, requires = "from")]
-    dirty_base: Option<String>,
+    pub(crate) dirty_base: Option<String>,
     /// Where a lazy wake writes the working set it records.
     #[arg(long, hide = true, requires = "lazy_snapshot")]
-    working_set_out: Option<PathBuf>,
+    pub(crate) working_set_out: Option<PathBuf>,
     /// Join this cgroup before anything else (repeatable: one per cgroup
     /// v1 hierarchy); the host made it with the vm's limits.
     #[arg(long = "cgroup", hide = true)]
-    cgroups: Vec<PathBuf>,
+    pub(crate) cgroups: Vec<PathBuf>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
-    kvm_device: PathBuf,
+    pub(crate) kvm_device: PathBuf,
 }
 
 pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
@@ -134,9 +134,11 @@ fn jail(args: &VmmArgs) -> anyhow::Result<()> {
         Ok("off") => return Ok(()),
         Ok(other) => anyhow::bail!("TINE_JAIL={other}: expected on or off"),
     }
+    let home = image::default_home()?;
     let report = vmm::jail::enter(&vmm::jail::Jail {
         cgroups: args.cgroups.clone(),
         net_admin: !args.nets.is_empty(),
+        mounts: Some(crate::jail::mounts(&home, args)),
     })?;
     tracing::debug!(?report, "jailed");
     Ok(())

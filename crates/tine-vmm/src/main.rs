@@ -4,6 +4,7 @@
 //! (status 0), resets (0), or the host stops it (SIGINT/SIGTERM).
 
 mod args;
+mod jail;
 use vmm::size;
 mod store_source;
 

@@ -107,10 +107,6 @@ pub struct Identity {
     pub api_socket: PathBuf,
     /// Why the vm ended, written when it does.
     pub exit_file: PathBuf,
-    /// The cgroups a child joins before it starts a thread (its own,
-    /// made by the host; `vmm::jail`).
-    #[serde(default)]
-    pub cgroups: Vec<PathBuf>,
 }
 
 /// A virtio-net's host side.

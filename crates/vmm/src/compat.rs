@@ -220,7 +220,8 @@ fn vendor(cpuid: &[CpuidEntry]) -> Option<String> {
 
 /// `uname -r` (informational: recorded, never compared).
 fn kernel_release() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_string())
+    // uname(2), not /proc: a jailed VMM has no /proc.
+    nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
         .unwrap_or_else(|_| "unknown".to_string())
 }

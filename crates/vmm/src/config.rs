@@ -155,12 +155,10 @@ impl VmConfig {
     }
 }
 
-/// Total host memory from /proc/meminfo.
+/// Total host memory (sysinfo(2), not /proc: a jailed VMM has no /proc).
 fn host_mem_mib() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024)
+    let info = nix::sys::sysinfo::sysinfo().ok()?;
+    Some(info.ram_total() >> 20)
 }
 
 #[cfg(test)]

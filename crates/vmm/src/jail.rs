@@ -24,6 +24,44 @@ pub struct Jail {
     pub cgroups: Vec<PathBuf>,
     /// Keep CAP_NET_ADMIN (the vm has a tap; a fork child creates its own).
     pub net_admin: bool,
+    /// A mount namespace whose root holds only these; None keeps the
+    /// host's filesystem.
+    pub mounts: Option<Mounts>,
+}
+
+/// The VMM's own root: an empty tmpfs mounted on `root` (an empty
+/// directory of tine's), the `binds` mounted into it at their own paths,
+/// then pivoted into. Paths the host names later (a snapshot's directory
+/// outside `$TINE_HOME`) are mounted into the namespace by the host.
+#[derive(Clone, Debug, Default)]
+pub struct Mounts {
+    pub root: PathBuf,
+    pub binds: Vec<Bind>,
+    /// Symbolic links to make in the root (path, target) where no bind
+    /// shows them: a link to a link to a bound directory resolves then.
+    pub links: Vec<(PathBuf, PathBuf)>,
+}
+
+/// A host path the jail sees, at the same path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bind {
+    pub path: PathBuf,
+    pub writable: bool,
+}
+
+impl Bind {
+    pub fn ro(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            writable: false,
+        }
+    }
+    pub fn rw(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            writable: true,
+        }
+    }
 }
 
 /// What [`enter`] did, for the VMM's log and the tests.
@@ -32,6 +70,8 @@ pub struct Report {
     /// The effective capabilities left.
     pub kept: Vec<String>,
     pub cgroups: usize,
+    /// Whether it runs in its own root (only a privileged VMM does).
+    pub pivoted: bool,
 }
 
 /// Why the jail could not be entered; the VMM then refuses to start.
@@ -57,6 +97,13 @@ pub enum JailError {
     },
     #[error("Cannot drop the VMM's capabilities")]
     Caps(#[source] caps::errors::CapsError),
+    #[error("Cannot make the VMM's root: {what} {path}")]
+    Mount {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Enters the jail: on return this process (and whatever it forks) is in
@@ -66,6 +113,16 @@ pub enum JailError {
 pub fn enter(jail: &Jail) -> Result<Report, JailError> {
     for dir in &jail.cgroups {
         join_cgroup(dir)?;
+    }
+    // A VMM started by an unprivileged user has nothing to drop and may
+    // not make namespaces: its reach is that user's.
+    let privileged =
+        caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_ADMIN).unwrap_or(false);
+    let mut pivoted = false;
+    if let (Some(m), true) = (&jail.mounts, privileged) {
+        crate::title::prepare();
+        pivot(m)?;
+        pivoted = true;
     }
     // Guest memory never lands in a core file.
     set_rlimit(libc::RLIMIT_CORE, 0, "RLIMIT_CORE")?;
@@ -86,6 +143,7 @@ pub fn enter(jail: &Jail) -> Result<Report, JailError> {
     Ok(Report {
         kept,
         cgroups: jail.cgroups.len(),
+        pivoted,
     })
 }
 
@@ -96,10 +154,134 @@ pub fn join_cgroup(dir: &Path) -> Result<(), JailError> {
     std::fs::write(&path, b"0\n").map_err(|source| JailError::Cgroup { path, source })
 }
 
+/// Binds in the order they can be mounted (a parent before what lies in
+/// it), without those a writable (or equally read-only) parent already
+/// shows, and without paths that do not exist.
+fn plan(binds: &[Bind]) -> Vec<Bind> {
+    let mut v: Vec<Bind> = binds
+        .iter()
+        .filter(|b| b.path.is_absolute() && b.path.exists())
+        .cloned()
+        .collect();
+    v.sort_by(|a, b| a.path.cmp(&b.path).then(b.writable.cmp(&a.writable)));
+    let mut out: Vec<Bind> = Vec::new();
+    for b in v {
+        let covered = out
+            .iter()
+            .any(|o| b.path.starts_with(&o.path) && (o.writable || !b.writable));
+        if !covered {
+            out.push(b);
+        }
+    }
+    out
+}
+
+fn mount_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(nix::Error) -> JailError + 'a {
+    move |e| JailError::Mount {
+        what,
+        path: path.to_path_buf(),
+        source: std::io::Error::from(e),
+    }
+}
+
+/// A new mount namespace (slave to the host's, so nothing mounted here
+/// reaches the host), a tmpfs root holding the binds, pivoted into; the
+/// host's tree is detached.
+fn pivot(m: &Mounts) -> Result<(), JailError> {
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+    let none: Option<&str> = None;
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(mount_err("unshare(CLONE_NEWNS)", Path::new("/")))?;
+    mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_SLAVE, none)
+        .map_err(mount_err("make slave", Path::new("/")))?;
+    let root = &m.root;
+    std::fs::create_dir_all(root).map_err(|source| JailError::Mount {
+        what: "mkdir",
+        path: root.clone(),
+        source,
+    })?;
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(
+        Some("tmpfs"),
+        root,
+        Some("tmpfs"),
+        flags,
+        Some("mode=0755,size=4m"),
+    )
+    .map_err(mount_err("mount tmpfs on", root))?;
+    for b in plan(&m.binds) {
+        let rel = b.path.strip_prefix("/").unwrap_or(&b.path);
+        let target = root.join(rel);
+        let made = if b.path.is_dir() {
+            std::fs::create_dir_all(&target)
+        } else {
+            target
+                .parent()
+                .map(std::fs::create_dir_all)
+                .unwrap_or(Ok(()))
+                .and_then(|_| std::fs::File::create(&target).map(drop))
+        };
+        made.map_err(|source| JailError::Mount {
+            what: "make the mount point",
+            path: target.clone(),
+            source,
+        })?;
+        // Recursive: a home's images may be a mount of their own (the
+        // nested test host's); this jail's root, below the home, then
+        // shows inside itself once, which opens nothing new.
+        mount(
+            Some(&b.path),
+            &target,
+            none,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            none,
+        )
+        .map_err(mount_err("bind", &b.path))?;
+        let mut ro = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID;
+        if !b.writable {
+            ro |= MsFlags::MS_RDONLY;
+        }
+        mount(none, &target, none, ro, none).map_err(mount_err("remount", &b.path))?;
+    }
+    for (link, to) in &m.links {
+        let at = root.join(link.strip_prefix("/").unwrap_or(link));
+        if at.symlink_metadata().is_ok() {
+            continue;
+        }
+        at.parent()
+            .map(std::fs::create_dir_all)
+            .unwrap_or(Ok(()))
+            .and_then(|()| std::os::unix::fs::symlink(to, &at))
+            .map_err(|source| JailError::Mount {
+                what: "make the link",
+                path: at.clone(),
+                source,
+            })?;
+    }
+    std::env::set_current_dir(root).map_err(|source| JailError::Mount {
+        what: "chdir",
+        path: root.clone(),
+        source,
+    })?;
+    // pivot_root(".", "."): the old root ends up on top of the new one,
+    // and is detached at once.
+    nix::unistd::pivot_root(".", ".").map_err(mount_err("pivot_root to", root))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(mount_err("detach the host's root", root))?;
+    std::env::set_current_dir("/").map_err(|source| JailError::Mount {
+        what: "chdir",
+        path: "/".into(),
+        source,
+    })?;
+    Ok(())
+}
+
 /// The bounding set first (it needs CAP_SETPCAP, about to go), then the
 /// ambient, inheritable, permitted and effective sets.
 fn drop_capabilities(keep: &CapsHashSet) -> Result<(), JailError> {
-    for cap in caps::all() {
+    // Only a process with CAP_SETPCAP may shrink its bounding set (an
+    // unprivileged one has no capability to bound).
+    let setpcap = caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP).unwrap_or(false);
+    for cap in caps::all().into_iter().filter(|_| setpcap) {
         if !keep.contains(&cap) {
             // A capability this kernel does not know is not in the set.
             match caps::drop(None, CapSet::Bounding, cap) {

@@ -656,7 +656,6 @@ fn continuation_identity(config: &VmConfig, opts: &ProcessOptions) -> Identity {
         vsock: config.vsock.as_ref().map(|v| v.uds_path.clone()),
         api_socket: opts.api_socket.clone().unwrap_or_default(),
         exit_file: opts.exit_file.clone().unwrap_or_default(),
-        cgroups: Vec::new(),
     }
 }
 
@@ -686,12 +685,6 @@ fn vm_body(off: &mut Offspring, id: &Identity, mode: Mode) -> i32 {
 fn start_vm(off: &mut Offspring, id: &Identity, mode: Mode) -> Result<i32, String> {
     let t = Instant::now();
     let mark = |what: &str| fork::trace(t, what);
-    // A child leaves its parent's groups before anything of it runs.
-    if mode == Mode::Child {
-        for dir in &id.cgroups {
-            crate::jail::join_cgroup(dir).map_err(|e| chain(&e))?;
-        }
-    }
     if mode != Mode::Continuation {
         redirect_stdio(&id.log)?;
     }

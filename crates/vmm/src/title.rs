@@ -88,8 +88,20 @@ fn overwrite_args(text: &[u8]) {
     }
 }
 
-/// `arg_start` and `arg_end` (fields 48 and 49 of /proc/self/stat).
+/// Reads what naming needs from /proc while it is there (a jailed VMM
+/// has none once it pivots; fork children inherit the argument area).
+pub fn prepare() {
+    let _ = ARG_AREA.get_or_init(read_arg_area);
+}
+
+static ARG_AREA: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+
 fn arg_area() -> Option<(usize, usize)> {
+    *ARG_AREA.get_or_init(read_arg_area)
+}
+
+/// `arg_start` and `arg_end` (fields 48 and 49 of /proc/self/stat).
+fn read_arg_area() -> Option<(usize, usize)> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // Fields after `(comm)` start at field 3.
     let (_, rest) = stat.rsplit_once(')')?;

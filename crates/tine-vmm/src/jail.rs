@@ -1,0 +1,143 @@
+//! What a VMM's own root holds (`vmm::jail`): `$TINE_HOME`, the images
+//! and every file its command line names (with a disk's backing chain),
+//! the device nodes it opens, and what the store's network client reads
+//! (resolver and CA files). Nothing else of the host is there.
+
+use std::path::{Path, PathBuf};
+
+use vmm::jail::{Bind, Mounts};
+
+use crate::args::VmmArgs;
+
+/// Device nodes a VMM opens (a fork child opens the tun device again for
+/// its tap; lazy page-in opens the userfaultfd device).
+const DEVICES: &[&str] = &[
+    "/dev/null",
+    "/dev/net/tun",
+    "/dev/userfaultfd",
+    "/dev/urandom",
+];
+
+/// Read by the store's clients (S3, PostgreSQL): the resolver, its
+/// modules and the CA roots.
+const NETWORK_FILES: &[&str] = &[
+    "/etc/resolv.conf",
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/gai.conf",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/usr/share/ca-certificates",
+    "/usr/lib",
+];
+
+/// The jail's mounts for a VMM started with `args` in `home`.
+pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
+    let mut binds = vec![Bind::rw(home)];
+    // `images` is often a link to the shared image cache.
+    binds.push(Bind::ro(home.join("images")));
+    binds.push(Bind::rw(&args.kvm_device));
+    binds.extend(DEVICES.iter().map(|d| Bind::rw(*d)));
+    binds.extend(NETWORK_FILES.iter().map(|f| Bind::ro(*f)));
+    for f in [&args.kernel, &args.initrd, &args.from]
+        .into_iter()
+        .flatten()
+    {
+        binds.push(Bind::ro(f));
+    }
+    if let Some(t) = args.cpu_template.as_deref().filter(|t| t.starts_with('/')) {
+        binds.push(Bind::ro(t));
+    }
+    if let Some(key) = std::env::var_os(snapshot::KEY_ENV) {
+        binds.push(Bind::ro(PathBuf::from(key)));
+    }
+    for d in &args.disks {
+        let (path, ro) = match d.strip_suffix(",ro") {
+            Some(p) => (p, true),
+            None => (d.as_str(), false),
+        };
+        binds.push(if ro { Bind::ro(path) } else { Bind::rw(path) });
+        // A qcow2 layer opens its backing files by path.
+        if let Ok(chain) = disk::chain(Path::new(path)) {
+            binds.extend(chain.into_iter().skip(1).map(|l| Bind::ro(l.path)));
+        }
+    }
+    // Files the VMM creates: their directories.
+    let made = [
+        &args.console_log,
+        &args.console_socket,
+        &args.exit_file,
+        &args.api_socket,
+        &args.working_set_out,
+    ];
+    let vsock = args
+        .vsock
+        .as_deref()
+        .map(|v| PathBuf::from(v.split(',').next().unwrap_or(v)));
+    for f in made.into_iter().flatten().chain(vsock.as_ref()) {
+        if let Some(dir) = f.parent().filter(|d| !d.as_os_str().is_empty()) {
+            binds.push(Bind::rw(dir));
+        }
+    }
+    // A link resolves inside the jail only if every hop of it is there:
+    // the canonical path is bound, and the links on the way are made.
+    let mut links = Vec::new();
+    let mut all = Vec::new();
+    for b in binds {
+        links.extend(hops(&b.path));
+        if let Ok(c) = b.path.canonicalize() {
+            if c != b.path {
+                all.push(Bind {
+                    path: c,
+                    writable: b.writable,
+                });
+            }
+        }
+        all.push(b);
+    }
+    Mounts {
+        root: home.join(".jail"),
+        binds: all,
+        links,
+    }
+}
+
+/// The symbolic links resolving `path` goes through, anywhere in it
+/// (`/var/lib/tine/images/x` → `/tmp/h/images/x` → the image cache's
+/// `x`), as (link, target) pairs; at most 16, as the kernel's limit is
+/// 40 and these are tine's own homes and caches.
+fn hops(path: &Path) -> Vec<(PathBuf, PathBuf)> {
+    use std::path::Component;
+    let mut out = Vec::new();
+    // Components still to walk, last first.
+    let mut todo: Vec<std::ffi::OsString> = Vec::new();
+    let push = |todo: &mut Vec<std::ffi::OsString>, p: &Path| {
+        for c in p.components().rev() {
+            match c {
+                Component::Normal(n) => todo.push(n.to_os_string()),
+                Component::ParentDir => todo.push("..".into()),
+                _ => {}
+            }
+        }
+    };
+    push(&mut todo, path);
+    let mut cur = PathBuf::from("/");
+    while let Some(name) = todo.pop() {
+        if name == ".." {
+            cur.pop();
+            continue;
+        }
+        let next = cur.join(&name);
+        match std::fs::read_link(&next) {
+            Ok(to) if out.len() < 16 => {
+                out.push((next, to.clone()));
+                if to.is_absolute() {
+                    cur = PathBuf::from("/");
+                }
+                push(&mut todo, &to);
+            }
+            _ => cur = next,
+        }
+    }
+    out
+}
