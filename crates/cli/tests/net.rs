@@ -102,6 +102,18 @@ fn test_leases_taps_and_isolation_rules_follow_the_tree() {
         routes.contains("10.213.0.2"),
         "a /32 route to the vm: {routes}"
     );
+    // Its VMM keeps one capability, CAP_NET_ADMIN (bit 12: its forks
+    // create their taps), and the network namespace its tap lives in.
+    let rec: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(h.0.path().join("vms/n/vm.json")).expect("record"),
+    )
+    .expect("json");
+    let pid = rec["pid"].as_u64().expect("pid");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    assert!(
+        status.contains("CapEff:\t0000000000001000"),
+        "the VMM of a vm with a tap: {status}"
+    );
 
     // Children: addresses in the parent's tree, egress per the contract.
     let deny = files.path().join("deny.toml");

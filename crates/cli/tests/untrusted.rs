@@ -487,12 +487,49 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
             Some("4096"),
             "{vm}: {limits}"
         );
+        // Its own mount, network, IPC and UTS namespaces (no tap: no
+        // network at all), and a root without the host's files.
+        for ns in ["mnt", "net", "ipc", "uts"] {
+            let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).expect("ns");
+            let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).expect("ns");
+            assert_ne!(theirs, ours, "{vm} shares the host's {ns} namespace");
+        }
+        let root = format!("/proc/{pid}/root");
+        for absent in [
+            "etc/shadow",
+            "etc/passwd",
+            "root/.ssh",
+            "proc/1",
+            "sys/fs/cgroup",
+            "bin/sh",
+        ] {
+            assert!(
+                !Path::new(&root).join(absent).exists(),
+                "{vm}'s VMM sees /{absent}"
+            );
+        }
+        let home = h.0.path().strip_prefix("/").expect("absolute home");
+        assert!(Path::new(&root).join(home).join("vms").join(vm).is_dir());
         // Its own group (a child left its parent's), with the vm's limits.
         let group = pids_group(pid);
         assert!(group.ends_with(vm), "{vm} runs in {}", group.display());
         let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
         assert_eq!(max.trim(), "1024", "{vm}");
     }
+    // A snapshot directory outside the home is mounted into the VMM's
+    // namespace for the snapshot, and restores.
+    let out = TempDir::new("jailsnap");
+    let snap = out.path().join("b");
+    h.ok(&["snapshot", "b", "--to", snap.to_str().expect("utf-8")]);
+    h.ok(&[
+        "run",
+        "--name",
+        "c",
+        "--from",
+        snap.to_str().expect("utf-8"),
+    ]);
+    wait_console(&h, "c", "CNT ");
+    h.ok(&["rm", "--force", "c"]);
     let group = pids_group(a);
     // A process left in a's group (as a lost writer would be) ends with
     // `rm`, and the group goes.

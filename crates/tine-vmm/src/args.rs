@@ -139,6 +139,8 @@ fn jail(args: &VmmArgs) -> anyhow::Result<()> {
         cgroups: args.cgroups.clone(),
         net_admin: !args.nets.is_empty(),
         mounts: Some(crate::jail::mounts(&home, args)),
+        // A lazy wake may page in from S3; its forks inherit the need.
+        no_network: args.nets.is_empty() && args.lazy_snapshot.is_none(),
     })?;
     tracing::debug!(?report, "jailed");
     Ok(())

@@ -27,6 +27,9 @@ pub struct Jail {
     /// A mount namespace whose root holds only these; None keeps the
     /// host's filesystem.
     pub mounts: Option<Mounts>,
+    /// An empty network namespace (no interface, not even `lo`): for a
+    /// vm without a tap whose memory comes from no remote store.
+    pub no_network: bool,
 }
 
 /// The VMM's own root: an empty tmpfs mounted on `root` (an empty
@@ -70,7 +73,8 @@ pub struct Report {
     /// The effective capabilities left.
     pub kept: Vec<String>,
     pub cgroups: usize,
-    /// Whether it runs in its own root (only a privileged VMM does).
+    /// Whether it runs in its own root and namespaces (only a
+    /// privileged VMM does).
     pub pivoted: bool,
 }
 
@@ -97,7 +101,7 @@ pub enum JailError {
     },
     #[error("Cannot drop the VMM's capabilities")]
     Caps(#[source] caps::errors::CapsError),
-    #[error("Cannot make the VMM's root: {what} {path}")]
+    #[error("Cannot set up the VMM's jail: {what} {path}")]
     Mount {
         what: &'static str,
         path: PathBuf,
@@ -123,6 +127,15 @@ pub fn enter(jail: &Jail) -> Result<Report, JailError> {
         crate::title::prepare();
         pivot(m)?;
         pivoted = true;
+    }
+    if privileged {
+        // Its own (empty) System V IPC and host name; no network unless
+        // it needs one.
+        let mut ns = nix::sched::CloneFlags::CLONE_NEWIPC | nix::sched::CloneFlags::CLONE_NEWUTS;
+        if jail.no_network {
+            ns |= nix::sched::CloneFlags::CLONE_NEWNET;
+        }
+        nix::sched::unshare(ns).map_err(mount_err("unshare(IPC, UTS, NET)", Path::new("/")))?;
     }
     // Guest memory never lands in a core file.
     set_rlimit(libc::RLIMIT_CORE, 0, "RLIMIT_CORE")?;
