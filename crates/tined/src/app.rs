@@ -205,10 +205,21 @@ pub struct VmView {
         (status = 422, body = ErrorBody, description = "The Idempotency-Key was used for another request")))]
 pub async fn run_vm(
     State(s): State<Shared>,
+    caller: Option<axum::Extension<crate::serve::Caller>>,
     headers: HeaderMap,
     JsonBody(spec): JsonBody<host::vm::RunSpec>,
 ) -> ApiResult<Response> {
     absolute_paths(&spec)?;
+    let mut named: Vec<&std::path::Path> = spec.disks.iter().map(|d| d.as_path()).collect();
+    named.extend(spec.kernel.as_deref());
+    named.extend(spec.from.as_deref());
+    if spec.image.contains('/') {
+        named.push(std::path::Path::new(&spec.image));
+    }
+    if let Some(t) = spec.cpu_template.as_deref().filter(|t| t.starts_with('/')) {
+        named.push(std::path::Path::new(t));
+    }
+    within_home(&s, caller, &named)?;
     if let Some(every) = spec.keep_every_s {
         crate::keep::check(&spec.name, every)?;
     }
@@ -242,6 +253,52 @@ pub async fn run_vm(
         Ok((StatusCode::CREATED, raw(&report)?))
     })
     .await
+}
+
+/// A client with an API key (or a sandbox token) is not the host's
+/// owner: the host files its request names (disks, kernel, snapshot
+/// directories, images, CPU templates) must lie in tine's home, or a key
+/// would read `/etc/shadow` as a disk or write a snapshot anywhere root
+/// can. The owner (Unix socket, `--token-file` token) may name any file,
+/// as the CLI does.
+fn within_home(
+    s: &Shared,
+    caller: Option<axum::Extension<crate::serve::Caller>>,
+    paths: &[&std::path::Path],
+) -> ApiResult<()> {
+    if matches!(
+        caller.map(|c| c.0),
+        None | Some(crate::serve::Caller::Owner)
+    ) {
+        return Ok(());
+    }
+    let home = s
+        .host
+        .home
+        .canonicalize()
+        .unwrap_or_else(|_| s.host.home.clone());
+    for p in paths {
+        // A directory still to be made: its nearest existing ancestor.
+        let resolved = p
+            .ancestors()
+            .find_map(|a| a.canonicalize().ok().map(|c| (a, c)))
+            .map(|(a, c)| c.join(p.strip_prefix(a).unwrap_or(std::path::Path::new(""))));
+        let inside = resolved.is_some_and(|r| {
+            r.starts_with(&home) && !r.components().any(|c| c == std::path::Component::ParentDir)
+        });
+        if !inside {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!(
+                    "{} is outside tine's home ({}): a client with an API key may name only files there; the host's owner may name any",
+                    p.display(),
+                    s.host.home.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Every path in a run request is absolute: tined's working directory
@@ -560,6 +617,7 @@ pub struct SnapshotSpec {
         (status = 409, body = ErrorBody, description = "The vm does not run")))]
 pub async fn snapshot_vm(
     State(s): State<Shared>,
+    caller: Option<axum::Extension<crate::serve::Caller>>,
     Path(name): Path<String>,
     JsonBody(spec): JsonBody<SnapshotSpec>,
 ) -> ApiResult<Response> {
@@ -571,6 +629,7 @@ pub async fn snapshot_vm(
             spec.dir
         )));
     }
+    within_home(&s, caller, &[&dir])?;
     vm_runs(&s, &name, "be snapshotted").await?;
     Ok(start_operation(
         &s,

@@ -1471,6 +1471,27 @@ fn test_api_keys_open_the_tcp_listener() {
         call("GET", "/v1/vms", &[("x-api-key", &key)]).expect(200),
         json!([])
     );
+    // A key names no host file outside tine's home (the owner may).
+    let post = |path: &str, body: serde_json::Value| {
+        common::call(
+            &tcp,
+            "POST",
+            path,
+            &[("x-api-key", &key), ("content-type", "application/json")],
+            body.to_string().into_bytes(),
+        )
+        .expect("an answer")
+    };
+    for body in [
+        json!({"name": "x", "image": "micro-counter", "disks": ["/etc/shadow"]}),
+        json!({"name": "x", "kernel": "/etc/passwd"}),
+        json!({"name": "x", "from": "/tmp"}),
+        json!({"name": "x", "image": "micro-counter", "disks": [format!("{}/../../etc/shadow", t.home.display())]}),
+    ] {
+        let r = post("/v1/vms", body.clone());
+        r.expect_error(403, "forbidden");
+    }
+    post("/v1/vms/none/snapshot", json!({"dir": "/etc/cron.d/x"})).expect_error(403, "forbidden");
     // A key does not manage keys.
     call("GET", "/v1/keys", &[("x-api-key", &key)]).expect_error(403, "forbidden");
     call(

@@ -270,9 +270,14 @@ pub fn rm_everything_leaves_no_process(h: &Home, what: &str) {
         ("store/wake", entries(&root.join("store/wake"))),
         ("layers", entries(&root.join("layers"))),
     ] {
+        // What each leftover holds says who made it.
+        let inside: Vec<String> = left
+            .iter()
+            .map(|e| format!("{e}: {:?}", entries(&root.join(dir).join(e))))
+            .collect();
         assert!(
             left.is_empty(),
-            "{what}: {dir}/ holds {left:?} after rm of everything and gc"
+            "{what}: {dir}/ holds {inside:?} after rm of everything and gc"
         );
     }
     let log = std::fs::read_to_string(root.join("tined.log")).unwrap_or_default();

@@ -322,7 +322,9 @@ async fn start(s: &Shared, id: &str, template: &str) -> E2bResult<()> {
     let spec: host::vm::RunSpec =
         serde_json::from_value(json!({"name": id, "image": image_of(template)}))
             .map_err(|e| E2bError(StatusCode::BAD_REQUEST, e.to_string()))?;
-    let res = crate::app::run_vm(State(s.clone()), HeaderMap::new(), JsonBody(spec)).await;
+    // The template comes from an E2B client: confined like a key's run.
+    let caller = Some(axum::Extension(crate::serve::Caller::Key));
+    let res = crate::app::run_vm(State(s.clone()), caller, HeaderMap::new(), JsonBody(spec)).await;
     match answer(res).await {
         Ok(_) => Ok(()),
         Err(E2bError(status, msg))
