@@ -347,8 +347,11 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         Ok(c) => c,
         Err(e) => {
             // The VMM may have started some children before it failed (or
-            // died): they are ended with their directories.
+            // died): they are ended first, then their directories go (a
+            // child still starting could put a file in a directory being
+            // removed, which then stays).
             drop(spawning);
+            crate::settle::sweep(h);
             undo(intent);
             let _ = moment.end(h, false, &[]);
             crate::settle::sweep(h);
