@@ -140,7 +140,7 @@ fn jail(args: &VmmArgs) -> anyhow::Result<()> {
         net_admin: !args.nets.is_empty(),
         mounts: Some(crate::jail::mounts(&home, args)),
         // A lazy wake may page in from S3; its forks inherit the need.
-        no_network: args.nets.is_empty() && args.lazy_snapshot.is_none(),
+        no_network: args.nets.is_empty() && !crate::jail::needs_network(args),
     })?;
     tracing::debug!(?report, "jailed");
     Ok(())

@@ -9,14 +9,8 @@ use vmm::jail::{Bind, Mounts};
 
 use crate::args::VmmArgs;
 
-/// Device nodes a VMM opens (a fork child opens the tun device again for
-/// its tap; lazy page-in opens the userfaultfd device).
-const DEVICES: &[&str] = &[
-    "/dev/null",
-    "/dev/net/tun",
-    "/dev/userfaultfd",
-    "/dev/urandom",
-];
+/// Device nodes a VMM opens (lazy page-in opens the userfaultfd device).
+const DEVICES: &[&str] = &["/dev/null", "/dev/userfaultfd", "/dev/urandom"];
 
 /// Read by the store's clients (S3, PostgreSQL): the resolver, its
 /// modules and the CA roots.
@@ -31,6 +25,13 @@ const NETWORK_FILES: &[&str] = &[
     "/usr/lib",
 ];
 
+/// Whether the VMM talks to the network itself: a lazy wake pages in
+/// from the store, which may be S3 (and its forks inherit the need).
+/// A tap's traffic is the guest's, not the VMM's.
+pub fn needs_network(args: &VmmArgs) -> bool {
+    args.lazy_snapshot.is_some()
+}
+
 /// The jail's mounts for a VMM started with `args` in `home`.
 pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
     let mut binds = vec![Bind::rw(home)];
@@ -38,7 +39,13 @@ pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
     binds.push(Bind::ro(home.join("images")));
     binds.push(Bind::rw(&args.kvm_device));
     binds.extend(DEVICES.iter().map(|d| Bind::rw(*d)));
-    binds.extend(NETWORK_FILES.iter().map(|f| Bind::ro(*f)));
+    if !args.nets.is_empty() {
+        // A fork child opens it again for its own tap.
+        binds.push(Bind::rw("/dev/net/tun"));
+    }
+    if needs_network(args) {
+        binds.extend(NETWORK_FILES.iter().map(|f| Bind::ro(*f)));
+    }
     for f in [&args.kernel, &args.initrd, &args.from]
         .into_iter()
         .flatten()
