@@ -250,17 +250,21 @@ pub fn remove(home: &Path, name: &str) -> usize {
     if dirs.iter().all(|d| !d.exists()) {
         return 0;
     }
-    let mut killed = 0;
+    // Distinct processes found alive: one still exiting shows again.
+    let mut killed = std::collections::HashSet::new();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let left = pids(home, name);
+        let left: Vec<u32> = pids(home, name)
+            .into_iter()
+            .filter(|p| crate::proc::ProcStat::read(*p).is_some_and(|s| !s.is_exited()))
+            .collect();
         if left.is_empty() {
             break;
         }
         for pid in &left {
             // SAFETY: kill(2) with a pid from the group and SIGKILL.
             if unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) } == 0 {
-                killed += 1;
+                killed.insert(*pid);
             }
         }
         if Instant::now() > deadline {
@@ -275,7 +279,7 @@ pub fn remove(home: &Path, name: &str) -> usize {
             let _ = std::fs::remove_dir(parent);
         }
     }
-    killed
+    killed.len()
 }
 
 /// Removes the groups of this home whose vm is gone (`live` are the

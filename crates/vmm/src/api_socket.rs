@@ -37,7 +37,15 @@ pub fn check_peer(conn: &impl std::os::fd::AsFd) -> Result<(), String> {
 /// Reads one request line from an allowed peer, within [`READ_TIMEOUT`]
 /// and [`MAX_REQUEST`].
 pub fn read_request(conn: &UnixStream) -> Result<Request, String> {
-    check_peer(conn)?;
+    if let Err(e) = check_peer(conn) {
+        // What it sends is read (and dropped) first, within a second: a
+        // refusal sent before the request meets a client still writing,
+        // which then fails (EPIPE) without reading why.
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+        let mut sink = Vec::new();
+        let _ = BufReader::new(conn.take(MAX_REQUEST)).read_until(b'\n', &mut sink);
+        return Err(e);
+    }
     conn.set_read_timeout(Some(READ_TIMEOUT))
         .map_err(|e| format!("cannot set a read timeout: {e}"))?;
     let mut line = Vec::new();
