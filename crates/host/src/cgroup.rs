@@ -139,8 +139,7 @@ fn home_group(home: &Path) -> String {
 
 /// Makes (or reuses) vm `name`'s group with `limits` and returns the
 /// directories its VMM joins (`tine-vmm --cgroup`). Empty when this host
-/// has no usable cgroup hierarchy: the vm then runs without limits, and
-/// [`available`] says so.
+/// has no usable cgroup hierarchy: the vm then runs without limits.
 pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<PathBuf>> {
     let Some(h) = hierarchy() else {
         return Ok(Vec::new());
@@ -203,14 +202,6 @@ pub fn enter(dirs: &[PathBuf], pid: u32) -> crate::Result<()> {
         write(&d.join("cgroup.procs"), &pid.to_string())?;
     }
     Ok(())
-}
-
-/// Whether vms of this host run in cgroups, and which version.
-pub fn available() -> Option<&'static str> {
-    hierarchy().map(|h| match h {
-        Hierarchy::V2(_) => "v2",
-        Hierarchy::V1 { .. } => "v1",
-    })
 }
 
 /// vm `name`'s group directories (whether or not they exist).

@@ -352,11 +352,3 @@ fn prctl(option: libc::c_int, arg: libc::c_ulong, what: &'static str) -> Result<
     }
     Ok(())
 }
-
-/// The effective capabilities of process `pid` (`CapEff` of its status),
-/// as a bit mask; None when it is gone.
-pub fn effective_caps(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("CapEff:"))?;
-    u64::from_str_radix(line.split_whitespace().nth(1)?, 16).ok()
-}
