@@ -466,6 +466,17 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         assert_eq!(status_field(pid, "CapBnd"), "0000000000000000", "{vm}");
         assert_eq!(status_field(pid, "NoNewPrivs"), "1", "{vm}");
         assert_eq!(status_field(pid, "Seccomp"), "2", "{vm}");
+        // Not root: the tree's own uid and gid (real, effective, saved),
+        // files reached as root's (fsuid 0), no supplementary groups.
+        let uid = status_field(pid, "Uid");
+        let ids: Vec<u32> = uid
+            .split_whitespace()
+            .map(|f| f.parse().expect("uid"))
+            .collect();
+        assert!(ids[0] >= 0x7A00_0000, "{vm} runs as {uid}");
+        assert_eq!(ids, [ids[0], ids[0], ids[0], 0], "{vm}: Uid {uid}");
+        assert_eq!(status_field(pid, "Gid"), uid, "{vm}");
+        assert_eq!(status_field(pid, "Groups"), "", "{vm}");
         let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
         let line = |what: &str| {
             limits
@@ -516,6 +527,22 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
         assert_eq!(max.trim(), "1024", "{vm}");
     }
+    // A fork child keeps its tree's uid; another tree has its own.
+    assert_eq!(status_field(a, "Uid"), status_field(b, "Uid"));
+    h.ok(&[
+        "run",
+        "--name",
+        "other",
+        "--image",
+        "micro-counter",
+        "--mem",
+        "64M",
+    ]);
+    assert_ne!(
+        status_field(a, "Uid"),
+        status_field(pid_of(&h, "other"), "Uid")
+    );
+    h.ok(&["rm", "--force", "other"]);
     // A snapshot directory outside the home is mounted into the VMM's
     // namespace for the snapshot, and restores.
     let out = TempDir::new("jailsnap");

@@ -713,14 +713,17 @@ fn boot_command(
     Ok((cmd, plan.bases.len()))
 }
 
-/// `tine-vmm` with the vm's own console, exit file, control socket and
-/// cgroup (made here with `limits`; the VMM joins it first thing).
+/// `tine-vmm` with the vm's own console, exit file, control socket,
+/// cgroup (made here with `limits`; the VMM joins it first thing) and
+/// the uid of its process tree.
 fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<Command> {
     let mut cmd = Command::new(&h.bins.vmm);
     cmd.arg("--name").arg(&vm.name);
     for dir in cgroup::prepare(&h.home, &vm.name, limits)? {
         cmd.arg("--cgroup").arg(dir);
     }
+    cmd.arg("--uid")
+        .arg(crate::jail::uid_for(&h.home, &vm.name).to_string());
     cmd.arg("--console-log").arg(vm.console_log());
     cmd.arg("--console-socket").arg(vm.console_socket());
     cmd.arg("--exit-file").arg(vm.exit_path());

@@ -97,6 +97,10 @@ pub struct VmmArgs {
     /// v1 hierarchy); the host made it with the vm's limits.
     #[arg(long = "cgroup", hide = true)]
     pub(crate) cgroups: Vec<PathBuf>,
+    /// Run as this uid and gid (the host picks one per process tree; fork
+    /// children keep it). Only a privileged VMM can change its uid.
+    #[arg(long, hide = true, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) uid: Option<u32>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     pub(crate) kvm_device: PathBuf,
@@ -141,6 +145,7 @@ fn jail(args: &VmmArgs) -> anyhow::Result<()> {
         mounts: Some(crate::jail::mounts(&home, args)),
         // A lazy wake may page in from S3; its forks inherit the need.
         no_network: args.nets.is_empty() && !crate::jail::needs_network(args),
+        uid: args.uid,
     })?;
     tracing::debug!(?report, "jailed");
     Ok(())

@@ -30,6 +30,11 @@ pub struct Jail {
     /// An empty network namespace (no interface, not even `lo`): for a
     /// vm without a tap whose memory comes from no remote store.
     pub no_network: bool,
+    /// The uid (and gid) to run as, one per process tree of the host's
+    /// choosing, so that a VMM taken over can signal, trace or share
+    /// kernel keys with its own tree only. Files are still reached as
+    /// root's (fsuid 0; see [`become_user`]).
+    pub uid: Option<u32>,
 }
 
 /// The VMM's own root: an empty tmpfs mounted on `root` (an empty
@@ -72,6 +77,8 @@ impl Bind {
 pub struct Report {
     /// The effective capabilities left.
     pub kept: Vec<String>,
+    /// The uid it runs as now, if it changed.
+    pub uid: Option<u32>,
     pub cgroups: usize,
     /// Whether it runs in its own root and namespaces (only a
     /// privileged VMM does).
@@ -101,6 +108,13 @@ pub enum JailError {
     },
     #[error("Cannot drop the VMM's capabilities")]
     Caps(#[source] caps::errors::CapsError),
+    #[error("Cannot become uid {uid}: {what}")]
+    User {
+        uid: u32,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("Cannot set up the VMM's jail: {what} {path}")]
     Mount {
         what: &'static str,
@@ -137,6 +151,13 @@ pub fn enter(jail: &Jail) -> Result<Report, JailError> {
         }
         nix::sched::unshare(ns).map_err(mount_err("unshare(IPC, UTS, NET)", Path::new("/")))?;
     }
+    let uid = match (jail.uid, privileged) {
+        (Some(uid), true) => {
+            become_user(uid)?;
+            Some(uid)
+        }
+        _ => None,
+    };
     // Guest memory never lands in a core file.
     set_rlimit(libc::RLIMIT_CORE, 0, "RLIMIT_CORE")?;
     let (_, hard) = get_rlimit(libc::RLIMIT_NOFILE);
@@ -155,9 +176,56 @@ pub fn enter(jail: &Jail) -> Result<Report, JailError> {
     kept.sort();
     Ok(Report {
         kept,
+        uid,
         cgroups: jail.cgroups.len(),
         pivoted,
     })
+}
+
+/// Runs as `uid`:`uid` with no supplementary groups, while files are
+/// still reached with uid and gid 0 (setfsuid(2)): what the jail's root
+/// shows is tine's own files, all root's and 0600, and giving each tree
+/// its own would mean chowning images, layers and snapshots that trees
+/// share. What the uid takes away is everything the kernel decides by
+/// real or effective uid: signals to root's processes (tined, the host's
+/// daemons), ptrace, root's keyrings, per-user limits. Capabilities are
+/// kept across the change (PR_SET_KEEPCAPS) only long enough to set the
+/// fs ids; [`drop_capabilities`] then clears them.
+fn become_user(uid: u32) -> Result<(), JailError> {
+    use nix::unistd::{setfsgid, setfsuid, setgroups, setresgid, setresuid, Gid, Uid};
+    let err = |what: &'static str| {
+        move |e: nix::Error| JailError::User {
+            uid,
+            what,
+            source: std::io::Error::from(e),
+        }
+    };
+    if uid == 0 {
+        return Ok(());
+    }
+    prctl(libc::PR_SET_KEEPCAPS, 1, "PR_SET_KEEPCAPS")?;
+    setgroups(&[]).map_err(err("setgroups"))?;
+    let (u, g) = (Uid::from_raw(uid), Gid::from_raw(uid));
+    setresgid(g, g, g).map_err(err("setresgid"))?;
+    setresuid(u, u, u).map_err(err("setresuid"))?;
+    prctl(libc::PR_SET_KEEPCAPS, 0, "PR_SET_KEEPCAPS=0")?;
+    // The uid change cleared the effective set; the permitted set stayed.
+    for cap in [Capability::CAP_SETUID, Capability::CAP_SETGID] {
+        caps::raise(None, CapSet::Effective, cap).map_err(JailError::Caps)?;
+    }
+    setfsgid(Gid::from_raw(0));
+    setfsuid(Uid::from_raw(0));
+    // setfsuid(2) reports only the old value: ask again to know.
+    let fsuid = setfsuid(Uid::from_raw(0)).as_raw();
+    let fsgid = setfsgid(Gid::from_raw(0)).as_raw();
+    if fsuid != 0 || fsgid != 0 {
+        return Err(JailError::User {
+            uid,
+            what: "setfsuid(0)",
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        });
+    }
+    Ok(())
 }
 
 /// Moves this process (all its threads) into the group at `dir`.
@@ -293,7 +361,9 @@ fn pivot(m: &Mounts) -> Result<(), JailError> {
 fn drop_capabilities(keep: &CapsHashSet) -> Result<(), JailError> {
     // Only a process with CAP_SETPCAP may shrink its bounding set (an
     // unprivileged one has no capability to bound).
-    let setpcap = caps::has_cap(None, CapSet::Effective, Capability::CAP_SETPCAP).unwrap_or(false);
+    // A change of uid cleared the effective set but kept the permitted.
+    let setpcap = caps::has_cap(None, CapSet::Permitted, Capability::CAP_SETPCAP).unwrap_or(false)
+        && caps::raise(None, CapSet::Effective, Capability::CAP_SETPCAP).is_ok();
     for cap in caps::all().into_iter().filter(|_| setpcap) {
         if !keep.contains(&cap) {
             // A capability this kernel does not know is not in the set.
