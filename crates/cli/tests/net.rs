@@ -102,18 +102,33 @@ fn test_leases_taps_and_isolation_rules_follow_the_tree() {
         routes.contains("10.213.0.2"),
         "a /32 route to the vm: {routes}"
     );
-    // Its VMM keeps one capability, CAP_NET_ADMIN (bit 12: its forks
-    // create their taps), and the network namespace its tap lives in.
-    let rec: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(h.0.path().join("vms/n/vm.json")).expect("record"),
-    )
-    .expect("json");
-    let pid = rec["pid"].as_u64().expect("pid");
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    assert!(
-        status.contains("CapEff:\t0000000000001000"),
-        "the VMM of a vm with a tap: {status}"
-    );
+    // Its VMM has no capability and a network namespace of its own: the
+    // host opened the tap (in `ns`) and passed it; so for each child.
+    let no_caps_own_netns = |vm: &str| {
+        let rec: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(h.0.path().join("vms").join(vm).join("vm.json"))
+                .expect("record"),
+        )
+        .expect("json");
+        let pid = rec["pid"].as_u64().expect("pid");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        assert!(
+            status.contains("CapEff:\t0000000000000000"),
+            "the VMM of {vm}, with a tap: {status}"
+        );
+        let theirs = std::fs::read_link(format!("/proc/{pid}/ns/net")).expect("netns");
+        let host = std::fs::read_link(format!("/run/netns/{}", ns.0))
+            .ok()
+            .or_else(|| {
+                let inode = std::fs::metadata(format!("/run/netns/{}", ns.0))
+                    .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                    .expect("netns file");
+                Some(format!("net:[{inode}]").into())
+            })
+            .expect("netns");
+        assert_ne!(theirs, host, "{vm}'s VMM is in the host's network namespace");
+    };
+    no_caps_own_netns("n");
 
     // Children: addresses in the parent's tree, egress per the contract.
     let deny = files.path().join("deny.toml");
@@ -161,6 +176,8 @@ fn test_leases_taps_and_isolation_rules_follow_the_tree() {
     );
     let addr = in_ns(&ns.0, &["ip", "-4", "-o", "addr", "show", "dev", "tt-a"]);
     assert!(addr.contains("10.213.0.1/32"), "{addr}");
+    no_caps_own_netns("a");
+    no_caps_own_netns("b");
 
     // A second tree gets its own /24.
     ok_in(
@@ -193,6 +210,12 @@ fn test_leases_taps_and_isolation_rules_follow_the_tree() {
         "the egress chain of a removed vm is gone"
     );
     assert!(!h.0.path().join("net/leases").join(&a).exists());
+    // Its tap went with its VMM (nothing else held it).
+    let link = Command::new("ip")
+        .args(["netns", "exec", &ns.0, "ip", "link", "show", "tt-a"])
+        .output()
+        .expect("ip");
+    assert!(!link.status.success(), "the tap of a removed vm is left");
     ok_in(&h, &ns.0, &["fork", "n", "--names", "c"]);
     assert_eq!(lease(&h, "c"), a, "a freed address is reused");
 

@@ -264,7 +264,15 @@ pub fn remove(home: &Path, name: &str) -> usize {
         std::thread::sleep(Duration::from_millis(10));
     }
     for d in &dirs {
-        let _ = std::fs::remove_dir(d);
+        // A process the kernel has not finished tearing down (a VMM
+        // unmapping its guest memory) still holds the group: EBUSY for a
+        // moment under load.
+        while let Err(e) = std::fs::remove_dir(d) {
+            if e.raw_os_error() != Some(libc::EBUSY) || Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         // The home's group goes with its last vm (fails while others live).
         if let Some(parent) = d.parent() {
             let _ = std::fs::remove_dir(parent);

@@ -9,6 +9,7 @@
 //! effects barrier; the VMM's answer recorded before the connection that
 //! holds the old VMM is let go; then the wake-up of every copy.
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,8 @@ pub(crate) fn identity(vm: &VmDir, r: &VmRecord) -> Identity {
                 vec![NetIdentity {
                     tap: tap_name(&vm.name),
                     mac,
+                    fd_index: None,
+                    fd: None,
                 }]
             })
             .unwrap_or_default(),
@@ -64,7 +67,15 @@ fn mac_for(name: &str) -> [u8; 6] {
 }
 
 fn call(socket: &Path, req: &Request) -> crate::Result<api::Call> {
-    let call = api::call(socket, req, FORK_TIMEOUT)?;
+    call_with_fds(socket, req, &[])
+}
+
+fn call_with_fds(
+    socket: &Path,
+    req: &Request,
+    fds: &[std::os::fd::RawFd],
+) -> crate::Result<api::Call> {
+    let call = api::call_with_fds(socket, req, fds, FORK_TIMEOUT)?;
     if let Some(e) = &call.reply.error {
         return Err(Error::failed(e.clone()));
     }
@@ -280,7 +291,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     };
     // Children to be woken stay parked until their wake: none of them runs
     // on the parent's identity meanwhile (nor ages its CRNG seed).
-    let children: Vec<Identity> = dirs
+    let mut children: Vec<Identity> = dirs
         .iter()
         .zip(&recs)
         .map(|(d, c)| Identity {
@@ -288,6 +299,22 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
             ..identity(d, c)
         })
         .collect();
+    // Each child's tap is made here, in the host's network namespace, and
+    // passed with the request: the VMM has neither CAP_NET_ADMIN nor the
+    // host's network. A tap lives while its child holds it.
+    let mut taps = Vec::new();
+    for net in children.iter_mut().flat_map(|c| c.nets.iter_mut()) {
+        match crate::vm::open_tap(&net.tap) {
+            Ok(fd) => {
+                net.fd_index = Some(taps.len());
+                taps.push(fd);
+            }
+            Err(e) => {
+                undo(intent);
+                return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
+            }
+        }
+    }
     // Each child's own cgroup, made now (a failure pauses nothing); the
     // child is moved into it as soon as its pid is known. (The jailed
     // VMM sees no cgroup filesystem, so it cannot change its limits.)
@@ -336,13 +363,16 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     crate::fault::point("fork:prepared");
-    let res = call(
+    let res = call_with_fds(
         &vm.api_socket(),
         &Request::Fork {
             children: children.clone(),
             layers_dir: state::layers_dir(&h.home),
         },
+        &taps.iter().map(|t| t.as_raw_fd()).collect::<Vec<_>>(),
     );
+    // The children hold their taps now (or the fork failed): ours close.
+    drop(taps);
     let call = match res {
         Ok(c) => c,
         Err(e) => {

@@ -6,6 +6,7 @@
 //! disks, snapshot compatibility) is checked before anything is created,
 //! so a refused `run` leaves nothing behind.
 
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -408,6 +409,9 @@ fn launch(
     let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let mut child = cmd.spawn().context("cannot start the VMM")?;
+    // The host's copy of a passed tap goes with the command: the tap
+    // lives exactly as long as the VMM holds it.
+    drop(cmd);
     let pid = child.id();
     let record = VmRecord {
         name: spec.name.clone(),
@@ -634,7 +638,7 @@ fn restore_command(
         }
     }
     if spec.net {
-        cmd.arg("--net").arg(tap_name(&spec.name));
+        pass_tap(&mut cmd, &tap_name(&spec.name))?;
     }
     if m.vsock_cid.is_some() {
         cmd.arg("--vsock").arg(vm.vsock());
@@ -704,7 +708,7 @@ fn boot_command(
         cmd.arg("--disk").arg(&top);
     }
     if spec.net {
-        cmd.arg("--net").arg(tap_name(&spec.name));
+        pass_tap(&mut cmd, &tap_name(&spec.name))?;
     }
     if plan.vsock {
         cmd.arg("--vsock").arg(vm.vsock());
@@ -732,6 +736,43 @@ fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<C
     // (fork children inherit it).
     cmd.env("TINE_HOME", &h.home);
     Ok(cmd)
+}
+
+/// Opens (creates) the tap `name` here, in the host's network namespace,
+/// and hands it to the VMM as an inherited fd (`--net NAME,fd=N`): the
+/// VMM then needs neither CAP_NET_ADMIN nor the host's network, and gets
+/// an empty network namespace of its own. The command holds the host's
+/// copy (close-on-exec in tined) until it is dropped.
+fn pass_tap(cmd: &mut Command, name: &str) -> crate::Result<()> {
+    let fd = open_tap(name)?;
+    cmd.arg("--net")
+        .arg(format!("{name},fd={}", fd.as_raw_fd()));
+    // SAFETY: fcntl(2) is async-signal-safe; the closure owns `fd`, which
+    // is open until the command is dropped.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// Opens (creating it) the tap `name`, configured for a VMM to adopt.
+pub(crate) fn open_tap(name: &str) -> crate::Result<std::os::fd::OwnedFd> {
+    vmm::devices::virtio::net::Tap::open(name)
+        .map(|t| t.into_fd())
+        .map_err(|e| {
+            let mut msg = e.to_string();
+            let mut cause = std::error::Error::source(&e);
+            while let Some(c) = cause {
+                msg = format!("{msg}: {c}");
+                cause = c.source();
+            }
+            Error::failed(msg)
+        })
 }
 
 /// The VMM's output goes to its log; it runs in its own session so a

@@ -65,7 +65,9 @@ pub struct VmmArgs {
     /// Raw disk image as virtio-blk; append `,ro` for read-only. Repeatable.
     #[arg(long = "disk")]
     pub(crate) disks: Vec<String>,
-    /// Tap device as virtio-net, `TAP[,mac=52:54:00:12:34:56]`. Repeatable.
+    /// Tap device as virtio-net, `TAP[,mac=52:54:00:12:34:56][,fd=N]`;
+    /// with `fd=N` the tap is already open on inherited fd N (the host
+    /// opened it), otherwise it is opened or created by name. Repeatable.
     #[arg(long = "net")]
     pub(crate) nets: Vec<String>,
     /// virtio-vsock with a host Unix socket, `PATH[,cid=3]`.
@@ -141,10 +143,11 @@ fn jail(args: &VmmArgs) -> anyhow::Result<()> {
     let home = image::default_home()?;
     let report = vmm::jail::enter(&vmm::jail::Jail {
         cgroups: args.cgroups.clone(),
-        net_admin: !args.nets.is_empty(),
+        // Only a tap to open by name needs it (its forks do the same).
+        net_admin: args.nets.iter().any(|n| !net_passed(n)),
         mounts: Some(crate::jail::mounts(&home, args)),
         // A lazy wake may page in from S3; its forks inherit the need.
-        no_network: args.nets.is_empty() && !crate::jail::needs_network(args),
+        no_network: args.nets.iter().all(|n| net_passed(n)) && !crate::jail::needs_network(args),
         uid: args.uid,
     })?;
     tracing::debug!(?report, "jailed");
@@ -158,6 +161,7 @@ fn build_or_restore(args: VmmArgs) -> anyhow::Result<vmm::Vmm> {
         .iter()
         .map(|n| parse_net(n))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    check_passed_taps(&nets)?;
     if let Some(dir) = &args.from {
         return restore(dir, &args, disks, nets);
     }
@@ -300,17 +304,46 @@ fn parse_net(s: &str) -> anyhow::Result<NetConfig> {
     let tap = parts.next().unwrap_or_default().to_string();
     anyhow::ensure!(!tap.is_empty(), "--net needs a tap name, e.g. --net tap0");
     let mut mac = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+    let mut tap_fd = None;
     for p in parts {
-        let v = p
-            .strip_prefix("mac=")
-            .with_context(|| format!("unknown --net option {p:?}; use mac=52:54:00:12:34:56"))?;
+        if let Some(v) = p.strip_prefix("fd=") {
+            tap_fd = Some(
+                v.parse::<i32>()
+                    .ok()
+                    .filter(|fd| *fd > 2)
+                    .with_context(|| format!("--net fd={v}: expected an open fd number above 2"))?,
+            );
+            continue;
+        }
+        let v = p.strip_prefix("mac=").with_context(|| {
+            format!("unknown --net option {p:?}; use mac=52:54:00:12:34:56 or fd=N")
+        })?;
         mac = parse_mac(v)?;
     }
-    Ok(NetConfig {
-        tap,
-        mac,
-        tap_fd: None,
-    })
+    Ok(NetConfig { tap, mac, tap_fd })
+}
+
+/// Whether `--net` names a tap the host opened (`fd=N`): the VMM then
+/// needs no CAP_NET_ADMIN and no network namespace of the host's.
+pub(crate) fn net_passed(s: &str) -> bool {
+    s.split(',').skip(1).any(|p| p.starts_with("fd="))
+}
+
+/// Checks that each passed tap fd is open on the tap it is named after
+/// (a wrong fd would otherwise show only as a dead network).
+fn check_passed_taps(nets: &[NetConfig]) -> anyhow::Result<()> {
+    for n in nets {
+        if let Some(fd) = n.tap_fd {
+            let name = vmm::devices::virtio::net::Tap::attached_name(fd)
+                .with_context(|| format!("--net {},fd={fd}: fd {fd} is not an open tap", n.tap))?;
+            anyhow::ensure!(
+                name == n.tap,
+                "--net {},fd={fd}: fd {fd} is the tap {name:?}",
+                n.tap
+            );
+        }
+    }
+    Ok(())
 }
 
 fn parse_mac(s: &str) -> anyhow::Result<[u8; 6]> {

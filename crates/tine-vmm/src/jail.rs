@@ -39,8 +39,8 @@ pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
     binds.push(Bind::ro(home.join("images")));
     binds.push(Bind::rw(&args.kvm_device));
     binds.extend(DEVICES.iter().map(|d| Bind::rw(*d)));
-    if !args.nets.is_empty() {
-        // A fork child opens it again for its own tap.
+    if args.nets.iter().any(|n| !crate::args::net_passed(n)) {
+        // A tap opened by name (and its fork children's taps).
         binds.push(Bind::rw("/dev/net/tun"));
     }
     if needs_network(args) {

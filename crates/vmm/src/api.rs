@@ -114,6 +114,15 @@ pub struct Identity {
 pub struct NetIdentity {
     pub tap: String,
     pub mac: [u8; 6],
+    /// Which of the fds sent with the request (SCM_RIGHTS) is this tap,
+    /// opened by the host in its own network namespace: the VMM then
+    /// needs neither CAP_NET_ADMIN nor the host's network. Without it
+    /// the VMM opens (creates) the tap by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd_index: Option<usize>,
+    /// The fd itself, once received (never on the wire).
+    #[serde(skip)]
+    pub fd: Option<i32>,
 }
 
 /// A reply.
@@ -199,6 +208,17 @@ pub struct Call {
 
 /// Sends `req` to the VMM at `socket` and reads its reply.
 pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Call, ApiError> {
+    call_with_fds(socket, req, &[], timeout)
+}
+
+/// [`call`], with `fds` passed along (SCM_RIGHTS, with the request's
+/// first bytes); the request names them by index ([`NetIdentity::fd_index`]).
+pub fn call_with_fds(
+    socket: &Path,
+    req: &Request,
+    fds: &[std::os::fd::RawFd],
+    timeout: Duration,
+) -> Result<Call, ApiError> {
     let connect = |source| ApiError::Connect {
         path: socket.into(),
         source,
@@ -211,7 +231,15 @@ pub fn call(socket: &Path, req: &Request, timeout: Duration) -> Result<Call, Api
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     let mut line = serde_json::to_vec(req).map_err(|e| io(std::io::Error::other(e)))?;
     line.push(b'\n');
-    stream.write_all(&line).map_err(io)?;
+    let sent = if fds.is_empty() {
+        0
+    } else {
+        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+        stream
+            .send_with_fds(&[&line[..]], fds)
+            .map_err(|e| io(std::io::Error::from_raw_os_error(e.errno())))?
+    };
+    stream.write_all(&line[sent..]).map_err(io)?;
     let mut reader = BufReader::new(stream.try_clone().map_err(io)?);
     let mut text = String::new();
     reader.read_line(&mut text).map_err(io)?;

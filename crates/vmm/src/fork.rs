@@ -956,13 +956,24 @@ pub fn spawn(
     keep_taps: bool,
     body: impl FnOnce(&mut Offspring) -> i32,
 ) -> Result<Spawned, ForkError> {
-    let mut fds = [0; 2];
+    spawn_keeping(parts, keep_taps, &[], body)
+}
+
+/// [`spawn`], with `fds` kept open as well (a fork child's own taps, passed
+/// by the host; the in-place fork's zygote keeps all the children's).
+pub fn spawn_keeping(
+    parts: &ForkParts,
+    keep_taps: bool,
+    fds: &[i32],
+    body: impl FnOnce(&mut Offspring) -> i32,
+) -> Result<Spawned, ForkError> {
+    let mut pipe_fds = [0; 2];
     // SAFETY: pipe2 fills the two-element array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+    if unsafe { libc::pipe2(pipe_fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
         return Err(ForkError::Pipe(std::io::Error::last_os_error()));
     }
     // SAFETY: both fds are fresh and owned here.
-    let (read_end, write_end) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    let (read_end, write_end) = unsafe { (File::from_raw_fd(pipe_fds[0]), File::from_raw_fd(pipe_fds[1])) };
     // SAFETY: fork(2); the child runs only `child_main`, which never
     // returns into the parent's frames (it ends with _exit).
     let pid = unsafe { libc::fork() };
@@ -971,7 +982,7 @@ pub fn spawn(
     }
     if pid == 0 {
         std::mem::forget(read_end);
-        child_main(parts, write_end, keep_taps, body);
+        child_main(parts, write_end, keep_taps, fds, body);
     }
     drop(write_end);
     Ok(Spawned {
@@ -984,10 +995,12 @@ fn child_main(
     parts: &ForkParts,
     report: File,
     keep_taps: bool,
+    fds: &[i32],
     body: impl FnOnce(&mut Offspring) -> i32,
 ) -> ! {
     let mut keep = memory::backing_fds(&parts.mem);
     keep.push(report.as_raw_fd());
+    keep.extend_from_slice(fds);
     if keep_taps {
         keep.extend_from_slice(&parts.tap_fds);
     }

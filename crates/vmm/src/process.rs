@@ -177,8 +177,10 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
     // Requests are carried out one at a time, in this thread (the one
     // that forks), whatever number of clients are connected.
     for (conn, req) in requests {
-        let req = match req {
-            Ok(r) => r,
+        // The fds that came with it stay open until the request is done
+        // (a fork's children keep their own copies).
+        let (req, _fds) = match req {
+            Ok(r) => (r.request, r.fds),
             Err(e) => {
                 send(&conn, &Reply::error(e));
                 continue;
@@ -218,6 +220,10 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 &opts,
                 &layers_dir,
                 None,
+                &children
+                    .iter()
+                    .flat_map(|c| c.nets.iter().filter_map(|n| n.fd))
+                    .collect::<Vec<_>>(),
                 |parts| spawn_children(parts, &children),
                 children_running,
             ),
@@ -230,6 +236,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                 &opts,
                 &layers_dir,
                 None,
+                &[],
                 |parts| {
                     Ok(vec![fork::spawn(parts, true, |off| {
                         template_body(off, &opts.name, &tag, &socket)
@@ -255,6 +262,7 @@ fn api_loop(listener: UnixListener, source: Arc<ForkSource>, opts: ProcessOption
                     &opts,
                     &layers_dir,
                     None,
+                    &[],
                     |parts| {
                         Ok(vec![fork::spawn(parts, false, |off| {
                             writer_body(off, &dir, &name, contract.as_deref(), None)
@@ -374,6 +382,7 @@ fn snapshot_layer(
         opts,
         layers_dir,
         rebase,
+        &[],
         |parts| {
             Ok(vec![fork::spawn(parts, false, |off| {
                 writer_body(off, dir, &name, contract, Some(&mode))
@@ -409,6 +418,7 @@ fn freeze_and(
     opts: &ProcessOptions,
     layers_dir: &Path,
     rebase: Option<String>,
+    keep: &[i32],
     start: impl FnOnce(&ForkParts) -> Result<Vec<Spawned>, ForkError>,
     finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
 ) -> Reply {
@@ -421,7 +431,9 @@ fn freeze_and(
         return Reply::error(format!("cannot create {}: {e}", layers_dir.display()));
     }
     if source.backing() == RamBacking::Private {
-        return freeze_in_place(source, opts, layers_dir, stamp, rebase, start, finish, t0);
+        return freeze_in_place(
+            source, opts, layers_dir, stamp, rebase, keep, start, finish, t0,
+        );
     }
     // The continuation's KVM setup happens now, while the guest runs.
     let me = continuation_identity(source.config(), opts);
@@ -519,6 +531,7 @@ fn freeze_in_place(
     layers_dir: &Path,
     stamp: u128,
     rebase: Option<String>,
+    keep: &[i32],
     start: impl FnOnce(&ForkParts) -> Result<Vec<Spawned>, ForkError>,
     finish: impl FnOnce(Vec<Spawned>, Instant) -> Result<Reply, ForkError>,
     t0: Instant,
@@ -538,7 +551,8 @@ fn freeze_in_place(
         return thawed_error(frozen, chain(&e));
     }
     fork::trace(started, "new tops");
-    let zygote = fork::spawn(&frozen.parts(), true, |off| {
+    // It keeps the fds the children take (their taps).
+    let zygote = fork::spawn_keeping(&frozen.parts(), true, keep, |off| {
         let done = start(&off.parts).and_then(|spawned| finish(spawned, t0));
         match done.map(|r| serde_json::to_string(&r)) {
             Ok(Ok(json)) => {
@@ -617,7 +631,9 @@ fn kill(pid: u32) {
 fn spawn_children(parts: &ForkParts, children: &[Identity]) -> Result<Vec<Spawned>, ForkError> {
     let mut spawned = Vec::with_capacity(children.len());
     for id in children {
-        match fork::spawn(parts, false, |off| vm_body(off, id, Mode::Child)) {
+        // A child keeps only its own taps (those the host passed).
+        let taps: Vec<i32> = id.nets.iter().filter_map(|n| n.fd).collect();
+        match fork::spawn_keeping(parts, false, &taps, |off| vm_body(off, id, Mode::Child)) {
             Ok(s) => spawned.push(s),
             Err(e) => {
                 for s in &spawned {
@@ -780,7 +796,7 @@ fn vm_config(parts: &ForkParts, id: &Identity, mode: Mode) -> Result<VmConfig, S
             (Mode::Child, _, Some(ni)) => Ok(NetConfig {
                 tap: ni.tap.clone(),
                 mac: ni.mac,
-                tap_fd: None,
+                tap_fd: ni.fd,
             }),
             (Mode::Child, _, None) => Err(format!(
                 "the vm has {} network devices; give each child a tap",
@@ -853,7 +869,7 @@ fn template_body(off: &mut Offspring, name: &str, tag: &str, socket: &Path) -> i
     let mut standby = prepare();
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        let reply = match read_request(&conn) {
+        let reply = match read_request(&conn).map(|r| r.request) {
             Err(e) => Reply::error(e),
             Ok(Request::Ping) => Reply {
                 pid: std::process::id(),

@@ -13,6 +13,8 @@ use super::VNET_HDR_LEN;
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54d8;
+// _IOR('T', 210, unsigned int).
+const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 const IFF_VNET_HDR: libc::c_short = 0x4000;
@@ -141,6 +143,30 @@ impl Tap {
             file,
             name: name.to_owned(),
         }
+    }
+
+    /// The name of the tap `fd` is attached to (TUNGETIFF): to check an
+    /// fd handed over by another process before adopting it.
+    pub fn attached_name(fd: i32) -> io::Result<String> {
+        let mut req = IfReq {
+            name: [0; IFNAMSIZ],
+            flags: 0,
+            _pad: [0; 22],
+        };
+        // SAFETY: TUNGETIFF writes a `struct ifreq` into `req`, which has
+        // its layout and size and outlives the call; an fd that is not a
+        // tap only makes it fail.
+        let ret = unsafe { libc::ioctl(fd, TUNGETIFF, &mut req as *mut IfReq) };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let len = req.name.iter().position(|&b| b == 0).unwrap_or(IFNAMSIZ);
+        Ok(String::from_utf8_lossy(&req.name[..len]).into_owned())
+    }
+
+    /// Gives up the open tap, for another process to adopt.
+    pub fn into_fd(self) -> std::os::fd::OwnedFd {
+        self.file.into()
     }
 
     /// The fd (kept open across a fork for the continuation).
