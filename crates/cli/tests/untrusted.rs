@@ -459,6 +459,15 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         "128M",
     ]);
     h.ok(&["fork", "a", "--names", "b"]);
+    h.ok(&[
+        "run",
+        "--name",
+        "other",
+        "--image",
+        "micro-counter",
+        "--mem",
+        "64M",
+    ]);
     let (a, b) = (pid_of(&h, "a"), pid_of(&h, "b"));
     for (vm, pid) in [("a", a), ("b", b)] {
         // No capability (no --net), no new privileges, seccomp filtering.
@@ -521,6 +530,18 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         }
         let home = h.0.path().strip_prefix("/").expect("absolute home");
         assert!(Path::new(&root).join(home).join("vms").join(vm).is_dir());
+        // A root per tree: its own vms' directories (a parent sees its
+        // children's, made after it started), the frozen layers and the
+        // images; not the home's state, store or other trees.
+        assert!(Path::new(&root).join(home).join("vms/b").is_dir());
+        assert!(Path::new(&root).join(home).join("layers").is_dir());
+        for absent in ["vms/other", "fleet.db", "intents", "locks", "tined.sock"] {
+            assert!(h.0.path().join(absent).exists(), "no {absent} in the home");
+            assert!(
+                !Path::new(&root).join(home).join(absent).exists(),
+                "{vm}'s VMM sees $TINE_HOME/{absent}"
+            );
+        }
         // Its own group (a child left its parent's), with the vm's limits.
         let group = pids_group(pid);
         assert!(group.ends_with(vm), "{vm} runs in {}", group.display());
@@ -529,15 +550,6 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
     }
     // A fork child keeps its tree's uid; another tree has its own.
     assert_eq!(status_field(a, "Uid"), status_field(b, "Uid"));
-    h.ok(&[
-        "run",
-        "--name",
-        "other",
-        "--image",
-        "micro-counter",
-        "--mem",
-        "64M",
-    ]);
     assert_ne!(
         status_field(a, "Uid"),
         status_field(pid_of(&h, "other"), "Uid")

@@ -37,89 +37,116 @@ pub fn uid_for(home: &Path, vm: &str) -> u32 {
 }
 
 /// Makes host directory `dir` visible at the same path to VMM `pid`
-/// (and the processes sharing its mount namespace). Nothing to do when
-/// the VMM shares the host's namespace or sees `dir` already.
+/// (and the processes sharing its mount namespace: its tree). Nothing to
+/// do when the VMM shares the host's namespace or sees `dir` already.
 pub fn expose(pid: u32, dir: &Path) -> crate::Result<()> {
+    expose_all(pid, &[dir])
+}
+
+/// [`expose`] for several directories (a fork's children), with one
+/// helper process.
+pub fn expose_all(pid: u32, dirs: &[&Path]) -> crate::Result<()> {
     let ns = format!("/proc/{pid}/ns/mnt");
     let theirs = std::fs::metadata(&ns).with_context(|| format!("cannot read {ns}"))?;
     let ours = std::fs::metadata("/proc/self/ns/mnt").context("cannot read /proc/self/ns/mnt")?;
     if theirs.ino() == ours.ino() && theirs.dev() == ours.dev() {
         return Ok(());
     }
-    let host = std::fs::metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    // Through /proc/PID/root, the path as the VMM sees it.
-    let seen = Path::new(&format!("/proc/{pid}/root")).join(dir.strip_prefix("/").unwrap_or(dir));
-    if let Ok(m) = std::fs::metadata(&seen) {
-        if m.ino() == host.ino() && m.dev() == host.dev() {
-            return Ok(());
+    // (a detached copy of the host's mount of the directory, its path)
+    let mut moves: Vec<(OwnedFd, CString)> = Vec::new();
+    for dir in dirs {
+        let host =
+            std::fs::metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+        // Through /proc/PID/root, the path as the VMM sees it.
+        let seen =
+            Path::new(&format!("/proc/{pid}/root")).join(dir.strip_prefix("/").unwrap_or(dir));
+        if let Ok(m) = std::fs::metadata(&seen) {
+            if m.ino() == host.ino() && m.dev() == host.dev() {
+                continue;
+            }
         }
+        std::fs::create_dir_all(&seen)
+            .with_context(|| format!("cannot make the mount point {}", seen.display()))?;
+        let path = CString::new(dir.as_os_str().as_bytes())
+            .map_err(|_| crate::Error::invalid(format!("{} holds a NUL byte", dir.display())))?;
+        // SAFETY: open_tree reads a NUL-terminated path and returns a new
+        // fd or -1.
+        let tree = unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD,
+                path.as_ptr(),
+                OPEN_TREE_CLONE | libc::O_CLOEXEC as u32,
+            )
+        };
+        if tree < 0 {
+            return Err(
+                crate::Error::from(std::io::Error::last_os_error()).context(format!(
+                    "cannot take a copy of the mount of {}",
+                    dir.display()
+                )),
+            );
+        }
+        // SAFETY: a fresh fd nobody else owns.
+        moves.push((unsafe { OwnedFd::from_raw_fd(tree as i32) }, path));
     }
-    std::fs::create_dir_all(&seen)
-        .with_context(|| format!("cannot make the mount point {}", seen.display()))?;
-    let path = CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| crate::Error::invalid(format!("{} holds a NUL byte", dir.display())))?;
-    let empty = CString::default();
-    // A detached copy of the host's mount of `dir`...
-    // SAFETY: open_tree reads a NUL-terminated path and returns a new fd
-    // or -1.
-    let tree = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            path.as_ptr(),
-            OPEN_TREE_CLONE | libc::O_CLOEXEC as u32,
-        )
-    };
-    if tree < 0 {
-        return Err(
-            crate::Error::from(std::io::Error::last_os_error()).context(format!(
-                "cannot take a copy of the mount of {}",
-                dir.display()
-            )),
-        );
+    if moves.is_empty() {
+        return Ok(());
     }
-    // SAFETY: a fresh fd nobody else owns.
-    let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
     let ns = std::fs::File::open(&ns).with_context(|| format!("cannot open {ns}"))?;
-    let (tree_fd, ns_fd) = (tree.as_raw_fd(), ns.as_raw_fd());
-    // ... moved into the VMM's namespace by a helper process: setns into
-    // a mount namespace needs a single-threaded process, which tined is
+    let ns_fd = ns.as_raw_fd();
+    let plan: Vec<(i32, CString)> = moves
+        .iter()
+        .map(|(fd, path)| (fd.as_raw_fd(), path.clone()))
+        .collect();
+    let empty = CString::default();
+    // Moved into the VMM's namespace by a helper process: setns into a
+    // mount namespace needs a single-threaded process, which tined is
     // not. The work happens between fork and exec, and the child exits.
     let mut cmd = Command::new("true");
     // SAFETY: only async-signal-safe syscalls run in the child, on
-    // buffers made before the fork.
+    // buffers made before the fork (`moves` outlives the command).
     unsafe {
         cmd.pre_exec(move || {
             if libc::setns(ns_fd, libc::CLONE_NEWNS) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            let rc = libc::syscall(
-                libc::SYS_move_mount,
-                tree_fd,
-                empty.as_ptr(),
-                libc::AT_FDCWD,
-                path.as_ptr(),
-                MOVE_MOUNT_F_EMPTY_PATH,
-            );
-            if rc != 0 {
-                return Err(std::io::Error::last_os_error());
+            for (tree_fd, path) in &plan {
+                let rc = libc::syscall(
+                    libc::SYS_move_mount,
+                    *tree_fd,
+                    empty.as_ptr(),
+                    libc::AT_FDCWD,
+                    path.as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH,
+                );
+                if rc != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             // Done: no exec (`true` is not in the jail's root). spawn
             // sees the exec pipe close, the waiter status 0.
             libc::_exit(0)
         });
     }
+    let shown = || {
+        dirs.iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let out = crate::proc::output(&mut cmd, &[], Duration::from_secs(10)).map_err(|e| {
         crate::Error::failed(format!(
             "cannot mount {} into the jail of VMM {pid}: {e}",
-            dir.display()
+            shown()
         ))
     })?;
-    drop(tree);
+    drop(cmd);
+    drop(moves);
     if !out.status.success() {
         return Err(crate::Error::failed(format!(
             "cannot mount {} into the jail of VMM {pid}: the helper exited with {}",
-            dir.display(),
+            shown(),
             out.status
         )));
     }

@@ -138,6 +138,10 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         .join("staging")
         .join(format!("sleep-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
+    // Made here and mounted into the VMM's jail (which shows no store).
+    std::fs::create_dir_all(&staging)
+        .with_context(|| format!("cannot create {}", staging.display()))?;
+    crate::jail::expose(r.pid, &staging)?;
     // A pre-copy round restarts the dirty set at its moment (under a
     // label of its own: the snapshot's id comes from the store later).
     let label = match round {

@@ -1,7 +1,11 @@
-//! What a VMM's own root holds (`vmm::jail`): `$TINE_HOME`, the images
-//! and every file its command line names (with a disk's backing chain),
-//! the device nodes it opens, and what the store's network client reads
-//! (resolver and CA files). Nothing else of the host is there.
+//! What a VMM's own root holds (`vmm::jail`): of `$TINE_HOME` only its
+//! own vm directory (the directories of the files it makes), the frozen
+//! layers and the images; every file its command line names (with a
+//! disk's backing chain); the device nodes it opens; for a lazy wake the
+//! store and what the store's network client reads (resolver and CA
+//! files). Nothing else of the host is there. The directories of its fork
+//! children, and snapshot directories, are mounted in by the host as
+//! they are made (`host::jail::expose`): the root is one per tree.
 
 use std::path::{Path, PathBuf};
 
@@ -34,7 +38,11 @@ pub fn needs_network(args: &VmmArgs) -> bool {
 
 /// The jail's mounts for a VMM started with `args` in `home`.
 pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
-    let mut binds = vec![Bind::rw(home)];
+    // Where a fork's frozen disk layers go: made here (not in the 4 MiB
+    // tmpfs) if this is the home's first vm.
+    let layers = home.join("layers");
+    let _ = std::fs::create_dir_all(&layers);
+    let mut binds = vec![Bind::rw(layers)];
     // `images` is often a link to the shared image cache.
     binds.push(Bind::ro(home.join("images")));
     binds.push(Bind::rw(&args.kvm_device));
@@ -45,6 +53,8 @@ pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
     }
     if needs_network(args) {
         binds.extend(NETWORK_FILES.iter().map(|f| Bind::ro(*f)));
+        // Its page-in reads the store's index and chunk cache.
+        binds.push(Bind::rw(home.join("store")));
     }
     for f in [&args.kernel, &args.initrd, &args.from]
         .into_iter()
