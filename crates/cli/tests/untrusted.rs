@@ -530,16 +530,23 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         }
         let home = h.0.path().strip_prefix("/").expect("absolute home");
         assert!(Path::new(&root).join(home).join("vms").join(vm).is_dir());
-        // A root per tree: its own vms' directories (a parent sees its
-        // children's, made after it started), the frozen layers and the
-        // images; not the home's state, store or other trees.
-        assert!(Path::new(&root).join(home).join("vms/b").is_dir());
-        assert!(Path::new(&root).join(home).join("layers").is_dir());
-        for absent in ["vms/other", "fleet.db", "intents", "locks", "tined.sock"] {
-            assert!(h.0.path().join(absent).exists(), "no {absent} in the home");
+        // The home's vms, layers and images, but none of its state: the
+        // fleet database, tined's socket, the store, intents, locks and
+        // the effects journal are masked (empty, or a file of mode 0).
+        assert!(Path::new(&root).join(home).join("vms/other").is_dir());
+        for dir in ["store", "intents", "locks", "effects"] {
+            let host = std::fs::read_dir(h.0.path().join(dir)).map_or(0, |d| d.count());
+            let seen = std::fs::read_dir(Path::new(&root).join(home).join(dir))
+                .map_or(0, |d| d.count());
+            assert_eq!(seen, 0, "{vm}'s VMM sees $TINE_HOME/{dir} ({host} entries)");
+        }
+        assert!(std::fs::read_dir(h.0.path().join("locks")).expect("locks").count() > 0);
+        for file in ["fleet.db", "tined.sock"] {
+            assert!(h.0.path().join(file).exists(), "no {file} in the home");
+            let seen = std::fs::metadata(Path::new(&root).join(home).join(file)).expect("mask");
             assert!(
-                !Path::new(&root).join(home).join(absent).exists(),
-                "{vm}'s VMM sees $TINE_HOME/{absent}"
+                seen.is_file() && seen.len() == 0 && seen.permissions().mode() & 0o777 == 0,
+                "{vm}'s VMM sees $TINE_HOME/{file}: {seen:?}"
             );
         }
         // Its own group (a child left its parent's), with the vm's limits.

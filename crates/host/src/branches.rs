@@ -162,7 +162,9 @@ pub(crate) fn store_exists(h: &Host) -> bool {
 }
 
 pub(crate) fn store_exists_in(home: &Path) -> bool {
-    home.join("store").exists()
+    // The directory alone is made with the home (to be masked in the
+    // VMMs' jails); a local store has its index.
+    home.join("store").join("tree.db").exists()
         || std::env::var_os(store::BACKEND_ENV).is_some()
         || std::env::var_os("TINE_META").is_some()
 }

@@ -337,14 +337,6 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         }
     };
 
-    // The tree shares one jail root: the children's directories are
-    // mounted into it (the VMM sees none of the home's other vms).
-    let child_dirs: Vec<&Path> = dirs.iter().map(|d| d.dir.as_path()).collect();
-    if let Err(e) = crate::jail::expose_all(r.pid, &child_dirs) {
-        undo(intent);
-        return Err(e.context(format!("cannot fork {name:?}; nothing was paused")));
-    }
-
     let quiesce_t = Instant::now();
     let quiesced = match wake::quiesce(&vm, &r) {
         Ok(q) => q,

@@ -296,8 +296,18 @@ pub fn close_home(home: &Path) -> crate::Result<()> {
         std::fs::set_permissions(home, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("cannot make {} private", home.display()))?;
     }
+    // The directories of the home's state, made now so that every VMM's
+    // jail masks them (it masks what exists when it starts).
+    for dir in MASKED_DIRS {
+        std::fs::create_dir_all(home.join(dir))
+            .with_context(|| format!("cannot create {}", home.join(dir).display()))?;
+    }
     Ok(())
 }
+
+/// Directories of the home that hold state no VMM may read (the store's
+/// chunks and index, the effects journal, the network leases).
+const MASKED_DIRS: &[&str] = &["store", "effects", "net"];
 
 /// Every file and socket this process creates is its user's alone (0600,
 /// directories 0700), whatever umask it was started with.

@@ -138,7 +138,7 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         .join("staging")
         .join(format!("sleep-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    // Made here and mounted into the VMM's jail (which shows no store).
+    // Made here and mounted into the VMM's jail (which masks the store).
     std::fs::create_dir_all(&staging)
         .with_context(|| format!("cannot create {}", staging.display()))?;
     crate::jail::expose(r.pid, &staging)?;

@@ -1,11 +1,10 @@
-//! What a VMM's own root holds (`vmm::jail`): of `$TINE_HOME` only its
-//! own vm directory (the directories of the files it makes), the frozen
-//! layers and the images; every file its command line names (with a
+//! What a VMM's own root holds (`vmm::jail`): `$TINE_HOME` with its
+//! vms, frozen layers and images, but none of its state (the fleet
+//! database, the store, the effects journal, intents, locks, tined's
+//! socket: each is masked); every file its command line names (with a
 //! disk's backing chain); the device nodes it opens; for a lazy wake the
 //! store and what the store's network client reads (resolver and CA
-//! files). Nothing else of the host is there. The directories of its fork
-//! children, and snapshot directories, are mounted in by the host as
-//! they are made (`host::jail::expose`): the root is one per tree.
+//! files). Nothing else of the host is there.
 
 use std::path::{Path, PathBuf};
 
@@ -38,11 +37,9 @@ pub fn needs_network(args: &VmmArgs) -> bool {
 
 /// The jail's mounts for a VMM started with `args` in `home`.
 pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
-    // Where a fork's frozen disk layers go: made here (not in the 4 MiB
-    // tmpfs) if this is the home's first vm.
-    let layers = home.join("layers");
-    let _ = std::fs::create_dir_all(&layers);
-    let mut binds = vec![Bind::rw(layers)];
+    // One mount for the vms and the frozen layers: a fork renames a vm's
+    // top layer into `layers`, which rename(2) does only within a mount.
+    let mut binds = vec![Bind::rw(home)];
     // `images` is often a link to the shared image cache.
     binds.push(Bind::ro(home.join("images")));
     binds.push(Bind::rw(&args.kvm_device));
@@ -53,8 +50,6 @@ pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
     }
     if needs_network(args) {
         binds.extend(NETWORK_FILES.iter().map(|f| Bind::ro(*f)));
-        // Its page-in reads the store's index and chunk cache.
-        binds.push(Bind::rw(home.join("store")));
     }
     for f in [&args.kernel, &args.initrd, &args.from]
         .into_iter()
@@ -116,7 +111,35 @@ pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
         root: home.join(".jail"),
         binds: all,
         links,
+        masks: masks(home, args),
     }
+}
+
+/// What of `$TINE_HOME` a VMM needs: the vms' directories, the frozen
+/// layers, the images and its own root's mount point; a lazy wake also
+/// pages in from the store.
+const HOME_SHOWN: &[&str] = &["vms", "layers", "images", ".jail"];
+
+/// Everything else in the home, masked: the fleet database, the store
+/// (every sleeping branch's memory), the effects journal, intents, locks,
+/// leases, tined's socket and logs. The host makes the home's directories
+/// when it opens the home (`host::state::close_home`), so they exist to
+/// be masked; a file made later in the home's top is not.
+fn masks(home: &Path, args: &VmmArgs) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(home) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            !HOME_SHOWN.contains(&name.as_ref()) && !(name == "store" && needs_network(args))
+        })
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
 }
 
 /// The symbolic links resolving `path` goes through, anywhere in it

@@ -1,13 +1,15 @@
 //! What a VMM process does to itself before it reads a byte of a guest or
 //! a snapshot (docs/design/isolation.md, "The jail"): join the cgroups the
-//! host made for its vm, no core dumps and no ptrace from its peers, a
-//! bounded fd table, `no_new_privs`, and every capability dropped but
-//! CAP_NET_ADMIN when the vm has a network (its forks create their taps).
+//! host made for its vm, its own root (binds of tine's files, the home's
+//! state masked) and namespaces, its tree's uid, no core dumps and no
+//! ptrace from its peers, a bounded fd table, `no_new_privs`, and every
+//! capability dropped (CAP_NET_ADMIN is kept only for a tap it must open
+//! by name; the host passes taps as open fds).
 //!
 //! The host prepares what needs privilege (the groups and their limits,
-//! `host::cgroup`); the VMM enters them itself, first thing, so nothing
-//! of it runs outside them. Fork children inherit all of it; the host
-//! moves each child into its own group while it is still paused.
+//! `host::cgroup`; the taps); the VMM enters the rest itself, first
+//! thing, so nothing of it runs outside. Fork children inherit all of it;
+//! the host moves each child into its own group while it is still paused.
 
 use std::path::{Path, PathBuf};
 
@@ -48,6 +50,9 @@ pub struct Mounts {
     /// Symbolic links to make in the root (path, target) where no bind
     /// shows them: a link to a link to a bound directory resolves then.
     pub links: Vec<(PathBuf, PathBuf)>,
+    /// Paths inside a bind to hide: a directory gets an empty tmpfs over
+    /// it (binds below it still show), a file an empty one nobody may read.
+    pub masks: Vec<PathBuf>,
 }
 
 /// A host path the jail sees, at the same path.
@@ -235,23 +240,63 @@ pub fn join_cgroup(dir: &Path) -> Result<(), JailError> {
     std::fs::write(&path, b"0\n").map_err(|source| JailError::Cgroup { path, source })
 }
 
-/// Binds in the order they can be mounted (a parent before what lies in
-/// it), without those a writable (or equally read-only) parent already
-/// shows, and without paths that do not exist.
-fn plan(binds: &[Bind]) -> Vec<Bind> {
-    let mut v: Vec<Bind> = binds
+/// One mount of the jail's root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Step {
+    Bind(Bind),
+    Mask(PathBuf),
+}
+
+impl Step {
+    fn path(&self) -> &Path {
+        match self {
+            Step::Bind(b) => &b.path,
+            Step::Mask(p) => p,
+        }
+    }
+}
+
+/// Binds and masks in the order they can be mounted (a parent before what
+/// lies in it), without binds a writable (or equally read-only) parent
+/// already shows unless a mask between hides them, and without paths that
+/// do not exist.
+fn plan(binds: &[Bind], masks: &[PathBuf]) -> Vec<Step> {
+    let mut v: Vec<Step> = binds
         .iter()
         .filter(|b| b.path.is_absolute() && b.path.exists())
         .cloned()
+        .map(Step::Bind)
+        .chain(
+            masks
+                .iter()
+                .filter(|m| m.is_absolute())
+                .cloned()
+                .map(Step::Mask),
+        )
         .collect();
-    v.sort_by(|a, b| a.path.cmp(&b.path).then(b.writable.cmp(&a.writable)));
-    let mut out: Vec<Bind> = Vec::new();
-    for b in v {
-        let covered = out
-            .iter()
-            .any(|o| b.path.starts_with(&o.path) && (o.writable || !b.writable));
-        if !covered {
-            out.push(b);
+    // Parents first; at one path a mask before a bind, a writable bind
+    // before a read-only one.
+    let rank = |s: &Step| match s {
+        Step::Mask(_) => 0,
+        Step::Bind(b) if b.writable => 1,
+        Step::Bind(_) => 2,
+    };
+    v.sort_by(|a, b| a.path().cmp(b.path()).then(rank(a).cmp(&rank(b))));
+    let mut out: Vec<Step> = Vec::new();
+    for s in v {
+        let keep = match &s {
+            Step::Mask(m) => out.iter().any(|o| matches!(o, Step::Bind(_)) && m.starts_with(o.path())),
+            Step::Bind(b) => {
+                let covered = out.iter().any(|o| match o {
+                    Step::Bind(o) => b.path.starts_with(&o.path) && (o.writable || !b.writable),
+                    Step::Mask(_) => false,
+                });
+                let masked = masks.iter().any(|m| b.path.starts_with(m));
+                !covered || masked
+            }
+        };
+        if keep && !out.contains(&s) {
+            out.push(s);
         }
     }
     out
@@ -290,7 +335,14 @@ fn pivot(m: &Mounts) -> Result<(), JailError> {
         Some("mode=0755,size=4m"),
     )
     .map_err(mount_err("mount tmpfs on", root))?;
-    for b in plan(&m.binds) {
+    for step in plan(&m.binds, &m.masks) {
+        let b = match step {
+            Step::Bind(b) => b,
+            Step::Mask(path) => {
+                mask(root, &path)?;
+                continue;
+            }
+        };
         let rel = b.path.strip_prefix("/").unwrap_or(&b.path);
         let target = root.join(rel);
         let made = if b.path.is_dir() {
@@ -354,6 +406,55 @@ fn pivot(m: &Mounts) -> Result<(), JailError> {
         source,
     })?;
     Ok(())
+}
+
+/// Hides `path` (shown by a bind already mounted in `root`): a directory
+/// under an empty 64 KiB tmpfs (its own mount points go there: a snapshot
+/// directory the host exposes later, a bind below it), a file under an
+/// empty file of mode 0 (unreadable without CAP_DAC_OVERRIDE). A path
+/// gone since it was listed needs no mask.
+fn mask(root: &Path, path: &Path) -> Result<(), JailError> {
+    use nix::mount::{mount, MsFlags};
+    let none: Option<&str> = None;
+    let target = root.join(path.strip_prefix("/").unwrap_or(path));
+    // A link is not followed: mount(2) would mask its target instead.
+    let Ok(meta) = target.symlink_metadata() else {
+        return Ok(());
+    };
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    if meta.is_dir() {
+        return mount(
+            Some("tmpfs"),
+            &target,
+            Some("tmpfs"),
+            flags,
+            Some("mode=0700,size=64k"),
+        )
+        .map_err(mount_err("mask", path));
+    }
+    // A file or a socket (tined.sock) gets the empty file bound over it.
+    let empty = root.join(".masked");
+    if !empty.exists() {
+        std::fs::File::create(&empty)
+            .and_then(|f| f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0)))
+            .map_err(|source| JailError::Mount {
+                what: "make the mask file",
+                path: empty.clone(),
+                source,
+            })?;
+    }
+    mount(Some(&empty), &target, none, MsFlags::MS_BIND, none).map_err(mount_err("mask", path))?;
+    mount(
+        none,
+        &target,
+        none,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags,
+        none,
+    )
+    .map_err(mount_err("mask (read-only)", path))
 }
 
 /// The bounding set first (it needs CAP_SETPCAP, about to go), then the
@@ -421,4 +522,41 @@ fn prctl(option: libc::c_int, arg: libc::c_ulong, what: &'static str) -> Result<
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_plan_mounts_parents_first_and_masks_before_what_shows_below_them() {
+        let dir = std::env::temp_dir().join(format!("tine-jail-plan-{}", std::process::id()));
+        let home = dir.join("home");
+        for d in ["vms/a", "store/staging/x", "layers"] {
+            std::fs::create_dir_all(home.join(d)).expect("dir");
+        }
+        let steps = plan(
+            &[
+                Bind::ro(home.join("store/staging/x")),
+                Bind::rw(home.join("vms/a")),
+                Bind::rw(&home),
+                Bind::ro(dir.join("missing")),
+            ],
+            &[home.join("store"), home.join("intents")],
+        );
+        assert_eq!(
+            steps,
+            vec![
+                Step::Bind(Bind::rw(&home)),
+                // A mask is mounted over a bind, before what shows below
+                // it; a missing path's mask is skipped when mounted.
+                Step::Mask(home.join("intents")),
+                Step::Mask(home.join("store")),
+                // Below a mask a bind shows again, even under a writable
+                // one; `vms/a` is shown by the home's bind already.
+                Step::Bind(Bind::ro(home.join("store/staging/x"))),
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
