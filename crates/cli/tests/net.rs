@@ -126,7 +126,10 @@ fn test_leases_taps_and_isolation_rules_follow_the_tree() {
                 Some(format!("net:[{inode}]").into())
             })
             .expect("netns");
-        assert_ne!(theirs, host, "{vm}'s VMM is in the host's network namespace");
+        assert_ne!(
+            theirs, host,
+            "{vm}'s VMM is in the host's network namespace"
+        );
     };
     no_caps_own_netns("n");
 

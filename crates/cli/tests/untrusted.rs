@@ -536,11 +536,16 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         assert!(Path::new(&root).join(home).join("vms/other").is_dir());
         for dir in ["store", "intents", "locks", "effects"] {
             let host = std::fs::read_dir(h.0.path().join(dir)).map_or(0, |d| d.count());
-            let seen = std::fs::read_dir(Path::new(&root).join(home).join(dir))
-                .map_or(0, |d| d.count());
+            let seen =
+                std::fs::read_dir(Path::new(&root).join(home).join(dir)).map_or(0, |d| d.count());
             assert_eq!(seen, 0, "{vm}'s VMM sees $TINE_HOME/{dir} ({host} entries)");
         }
-        assert!(std::fs::read_dir(h.0.path().join("locks")).expect("locks").count() > 0);
+        assert!(
+            std::fs::read_dir(h.0.path().join("locks"))
+                .expect("locks")
+                .count()
+                > 0
+        );
         for file in ["fleet.db", "tined.sock"] {
             assert!(h.0.path().join(file).exists(), "no {file} in the home");
             let seen = std::fs::metadata(Path::new(&root).join(home).join(file)).expect("mask");

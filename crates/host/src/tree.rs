@@ -138,10 +138,6 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         .join("staging")
         .join(format!("sleep-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    // Made here and mounted into the VMM's jail (which masks the store).
-    std::fs::create_dir_all(&staging)
-        .with_context(|| format!("cannot create {}", staging.display()))?;
-    crate::jail::expose(r.pid, &staging)?;
     // A pre-copy round restarts the dirty set at its moment (under a
     // label of its own: the snapshot's id comes from the store later).
     let label = match round {
@@ -168,6 +164,16 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         },
     };
     let mut intent = Intent::begin(&h.home, op)?;
+    // Made once the intent is recorded (a reconcile removes it), and
+    // mounted into the VMM's jail (which masks the store).
+    let made = std::fs::create_dir_all(&staging)
+        .with_context(|| format!("cannot create {}", staging.display()))
+        .and_then(|()| crate::jail::expose(r.pid, &staging));
+    if let Err(e) = made {
+        let _ = std::fs::remove_dir_all(&staging);
+        intent.done();
+        return Err(e);
+    }
 
     // The moment: quiesced, recorded by the effects gateway (the branch's
     // effects up to here are its wakers' past), written to the staging

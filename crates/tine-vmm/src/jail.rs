@@ -134,7 +134,9 @@ fn masks(home: &Path, args: &VmmArgs) -> Vec<PathBuf> {
         .filter(|e| {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            !HOME_SHOWN.contains(&name.as_ref()) && !(name == "store" && needs_network(args))
+            let shown =
+                HOME_SHOWN.contains(&name.as_ref()) || (name == "store" && needs_network(args));
+            !shown
         })
         .map(|e| e.path())
         .collect();

@@ -114,7 +114,10 @@ fn first_bytes(conn: &UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>), String> {
         // SAFETY: recvmsg(2) just made these fds, and nothing else owns them.
         .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
         .collect();
-    let end = buf[..n].iter().position(|&b| b == b'\n').map_or(n, |i| i + 1);
+    let end = buf[..n]
+        .iter()
+        .position(|&b| b == b'\n')
+        .map_or(n, |i| i + 1);
     buf.truncate(end);
     Ok((buf, fds))
 }

@@ -973,7 +973,12 @@ pub fn spawn_keeping(
         return Err(ForkError::Pipe(std::io::Error::last_os_error()));
     }
     // SAFETY: both fds are fresh and owned here.
-    let (read_end, write_end) = unsafe { (File::from_raw_fd(pipe_fds[0]), File::from_raw_fd(pipe_fds[1])) };
+    let (read_end, write_end) = unsafe {
+        (
+            File::from_raw_fd(pipe_fds[0]),
+            File::from_raw_fd(pipe_fds[1]),
+        )
+    };
     // SAFETY: fork(2); the child runs only `child_main`, which never
     // returns into the parent's frames (it ends with _exit).
     let pid = unsafe { libc::fork() };

@@ -285,7 +285,9 @@ fn plan(binds: &[Bind], masks: &[PathBuf]) -> Vec<Step> {
     let mut out: Vec<Step> = Vec::new();
     for s in v {
         let keep = match &s {
-            Step::Mask(m) => out.iter().any(|o| matches!(o, Step::Bind(_)) && m.starts_with(o.path())),
+            Step::Mask(m) => out
+                .iter()
+                .any(|o| matches!(o, Step::Bind(_)) && m.starts_with(o.path())),
             Step::Bind(b) => {
                 let covered = out.iter().any(|o| match o {
                     Step::Bind(o) => b.path.starts_with(&o.path) && (o.writable || !b.writable),
@@ -345,7 +347,12 @@ fn pivot(m: &Mounts) -> Result<(), JailError> {
         };
         let rel = b.path.strip_prefix("/").unwrap_or(&b.path);
         let target = root.join(rel);
-        let made = if b.path.is_dir() {
+        // A mount point a bind before already shows (a disk in a
+        // snapshot directory shown read-only) is used as it is: making
+        // it would fail there, and truncate the file where writable.
+        let made = if target.symlink_metadata().is_ok() {
+            Ok(())
+        } else if b.path.is_dir() {
             std::fs::create_dir_all(&target)
         } else {
             target
@@ -439,7 +446,7 @@ fn mask(root: &Path, path: &Path) -> Result<(), JailError> {
     let empty = root.join(".masked");
     if !empty.exists() {
         std::fs::File::create(&empty)
-            .and_then(|f| f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0)))
+            .and_then(|f| f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o000)))
             .map_err(|source| JailError::Mount {
                 what: "make the mask file",
                 path: empty.clone(),
