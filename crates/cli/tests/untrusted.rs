@@ -302,10 +302,31 @@ fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
     ));
     let reply = String::from_utf8_lossy(&out.stdout);
     assert!(
-        reply.contains("may not use this vm's control socket"),
+        reply.contains("may not use this vm's sockets"),
         "nobody pinged the VMM: {reply:?} {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Nor type on its console (a Linux guest's vsock.sock is refused the
+    // same way: crates/vmm's vsock tests).
+    open(&vm.join("console.sock"), 0o777);
+    let out = as_nobody(&format!(
+        "echo 'ping' | socat -t 2 - UNIX-CONNECT:{}",
+        vm.join("console.sock").display()
+    ));
+    let log_says = |what: &str| {
+        std::fs::read_to_string(vm.join("vmm.log"))
+            .unwrap_or_default()
+            .contains(what)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !log_says("console socket: refusing a connection: uid 65534") {
+        assert!(
+            Instant::now() < deadline,
+            "nobody's console connection was not refused: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // The owner still can.
     h.ok(&["fork", "c", "-n", "1"]);
 }

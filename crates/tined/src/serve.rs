@@ -65,7 +65,7 @@ pub async fn unix(
         };
         // The socket is 0600 in a 0700 home; the peer's uid is checked
         // too, so a mode changed by hand or a shared home opens nothing.
-        if let Err(e) = vmm::api_socket::check_peer(&stream) {
+        if let Err(e) = vmm::peer::check_peer(&stream) {
             tracing::warn!("refused a connection to tined.sock: {e}");
             continue;
         }

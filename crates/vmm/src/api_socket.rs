@@ -19,21 +19,7 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections being read at once; more are refused as busy.
 pub const MAX_READERS: usize = 16;
 
-/// Refuses a peer that is neither this process's user nor root (the rule
-/// of every control socket: tined's too).
-pub fn check_peer(conn: &impl std::os::fd::AsFd) -> Result<(), String> {
-    let cred = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials)
-        .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
-    let me = nix::unistd::geteuid().as_raw();
-    if cred.uid() == me || cred.uid() == 0 {
-        Ok(())
-    } else {
-        Err(format!(
-            "uid {} may not use this vm's control socket (it belongs to uid {me})",
-            cred.uid()
-        ))
-    }
-}
+use crate::peer::check_peer;
 
 /// Most fds a request may carry (a fork's taps; the kernel's own limit
 /// per message, SCM_MAX_FD, is 253).

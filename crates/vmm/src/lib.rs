@@ -31,6 +31,7 @@ pub mod layer;
 pub mod memory;
 pub mod moment;
 pub mod pagein;
+pub mod peer;
 pub mod persist;
 pub mod process;
 pub mod seccomp;
@@ -192,6 +193,10 @@ impl Vmm {
             spawn("console-socket", move || {
                 seccomp::apply(seccomp::Thread::Console);
                 for conn in listener.incoming().flatten() {
+                    if let Err(e) = peer::check_peer(&conn) {
+                        tracing::warn!("console socket: refusing a connection: {e}");
+                        continue;
+                    }
                     forward_input(std::os::fd::AsRawFd::as_raw_fd(&conn), &serial);
                 }
             })?;

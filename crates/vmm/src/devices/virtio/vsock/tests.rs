@@ -572,6 +572,56 @@ fn test_vsock_host_connect_refused_by_guest_closes_stream() {
     assert_eq!(rig.dev.lock().unwrap().muxer.pending_count(), 0);
 }
 
+/// Connects to `path` from a thread running as `uid` (a raw setresuid
+/// changes the calling thread's credentials only, and SO_PEERCRED takes
+/// the connecting thread's).
+fn connect_as(path: &std::path::Path, uid: u32) -> std::io::Result<UnixStream> {
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        // SAFETY: setresuid(2) on this thread only; it ends right after.
+        let r = unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, uid) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        UnixStream::connect(&path)
+    })
+    .join()
+    .expect("the connecting thread")
+}
+
+#[test]
+fn test_vsock_host_connection_from_another_uid_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    if !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let mem = new_mem();
+    let mut rig = Rig::new(&mem);
+    rig.post_rx_all();
+    let open = std::fs::Permissions::from_mode(0o777);
+    std::fs::set_permissions(rig.uds.parent().unwrap(), open.clone()).unwrap();
+    std::fs::set_permissions(&rig.uds, open).unwrap();
+    let mut other = connect_as(&rig.uds, 65534).expect("connect as nobody");
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let _ = other.write_all(b"CONNECT 77\n");
+    rig.pump(5);
+    // Closed at once, nothing asked of the guest.
+    let mut rest = Vec::new();
+    assert_eq!(other.read_to_end(&mut rest).unwrap_or(0), 0);
+    assert_eq!(rig.dev.lock().unwrap().muxer.pending_count(), 0);
+    assert_eq!(rig.conns(), 0);
+    assert!(
+        rig.rx.pop_used().is_none(),
+        "the guest was asked to connect"
+    );
+    // Root (the host) still connects.
+    let mut host = UnixStream::connect(&rig.uds).unwrap();
+    host.write_all(b"CONNECT 78\n").unwrap();
+    assert_eq!(rig.expect_one().op, OP_REQUEST);
+}
+
 #[test]
 fn test_vsock_host_giving_up_on_a_silent_guest_frees_the_connection() {
     let mem = new_mem();

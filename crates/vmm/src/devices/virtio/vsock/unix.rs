@@ -305,6 +305,10 @@ impl VsockMuxer {
         loop {
             match self.listener.accept() {
                 Ok((stream, _)) => {
+                    if let Err(e) = crate::peer::check_peer(&stream) {
+                        warn!("vsock: refusing a host connection: {e}");
+                        continue;
+                    }
                     if self.pending.len() + self.conns.len() >= MAX_CONNECTIONS {
                         warn!("vsock: too many connections, refusing a host connection");
                         continue;
