@@ -297,6 +297,7 @@ fn main() {
         lineage: vec![],
         effects: Default::default(),
         network: Default::default(),
+        peer_uid: None,
     };
     control::call(
         &paths.control(),
@@ -317,6 +318,7 @@ fn main() {
             ..Default::default()
         },
         network: Default::default(),
+        peer_uid: None,
     };
     control::call(
         &paths.control(),

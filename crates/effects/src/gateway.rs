@@ -628,6 +628,26 @@ async fn accept_loop(shared: Arc<Shared>, branch: Arc<Branch>, listener: UnixLis
                 continue;
             }
         };
+        if let Some(want) = branch.reg.peer_uid {
+            let uid = s.peer_cred().map(|c| c.uid());
+            if !matches!(uid, Ok(u) if u == want || u == 0) {
+                // Logged at the 1st, 2nd, 4th, 8th… refusal: a peer
+                // retrying in a loop does not fill the log.
+                static REFUSED: AtomicU64 = AtomicU64::new(0);
+                let n = REFUSED.fetch_add(1, Ordering::Relaxed) + 1;
+                if n.is_power_of_two() {
+                    let who = match uid {
+                        Ok(u) => format!("uid {u}"),
+                        Err(e) => format!("a peer of unknown uid ({e})"),
+                    };
+                    eprintln!(
+                        "tine gateway: vm {:?}: refused a connection from {who} (its VMM runs as uid {want}; {n} refused so far)",
+                        branch.reg.vm
+                    );
+                }
+                continue;
+            }
+        }
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         let Some((s, second)) = split_handle(s) else {
             continue;

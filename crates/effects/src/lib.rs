@@ -114,6 +114,11 @@ pub struct Registration {
     /// denies egress reaches only its allow-list through the gateway too.
     #[serde(default)]
     pub network: Network,
+    /// The uid the branch's VMM runs as: a connection from any other uid
+    /// (root aside) is refused, so the VMM of another tree, which sees
+    /// this socket in the home's `vms/`, cannot speak as this branch.
+    #[serde(default)]
+    pub peer_uid: Option<u32>,
 }
 
 impl Registration {

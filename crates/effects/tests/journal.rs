@@ -15,6 +15,7 @@ fn reg(branch: &str, lineage: Vec<Step>) -> Registration {
         lineage,
         effects: Default::default(),
         network: Default::default(),
+        peer_uid: None,
     }
 }
 

@@ -221,6 +221,7 @@ fn test_register_never_replaces_a_path_it_did_not_make() {
             lineage: vec![],
             effects: Effects::default(),
             network: Network::default(),
+            peer_uid: None,
         };
         control::call(
             &gw.paths.control(),
@@ -313,6 +314,7 @@ fn test_sockets_and_files_are_private_whatever_the_umask() {
         lineage: vec![],
         effects: Effects::default(),
         network: Network::default(),
+        peer_uid: None,
     };
     control::call(
         &paths.control(),
@@ -371,4 +373,65 @@ fn test_control_socket_refuses_other_users() {
     );
     // Its own user (root here) is served.
     assert!(gw.call(Request::Status).status.is_some());
+}
+
+/// Connects to `path` as a jailed VMM does: effective uid `uid` (what
+/// SO_PEERCRED reports), file access still as root (fsuid 0). Raw
+/// syscalls change the calling thread only, which ends right after.
+fn connect_as_vmm(path: &Path, uid: u32) -> std::io::Result<std::os::unix::net::UnixStream> {
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        // SAFETY: setresuid(2)/setfsuid(2) on this thread's credentials.
+        unsafe {
+            if libc::syscall(libc::SYS_setresuid, -1i32, uid, -1i32) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::syscall(libc::SYS_setfsuid, 0);
+        }
+        std::os::unix::net::UnixStream::connect(&path)
+    })
+    .join()
+    .expect("the connecting thread")
+}
+
+/// What the gateway answers on `s` to a request for a host it does not
+/// reach (an error page when served; nothing when refused).
+fn answer(mut s: std::os::unix::net::UnixStream) -> String {
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let _ = s.write_all(
+        b"GET http://unreachable.invalid/ HTTP/1.1\r\nHost: unreachable.invalid\r\n\r\n",
+    );
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Every tree's VMM sees the home's `vms/`; the VMM of another tree
+/// (another uid) connecting to a branch's socket does not pass for it.
+#[test]
+fn test_a_branch_socket_refuses_the_vmm_of_another_tree() {
+    // SAFETY: geteuid(2) cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: needs root to connect as another uid");
+        return;
+    }
+    let gw = Gateway::start();
+    let own = 0x7A00_0001;
+    let reg = Registration {
+        peer_uid: Some(own),
+        ..gw.root("v", Effects::default())
+    };
+    gw.call(Request::Register { reg: reg.clone() });
+    let other = connect_as_vmm(&reg.socket, 0x7A00_0002).expect("connect as another tree");
+    let said = answer(other);
+    assert!(said.is_empty(), "another tree's VMM was served: {said}");
+    let mine = connect_as_vmm(&reg.socket, own).expect("connect as the branch's VMM");
+    let said = answer(mine);
+    assert!(
+        said.starts_with("HTTP/1.1 "),
+        "its own VMM was not served: {said:?}"
+    );
+    let host = std::os::unix::net::UnixStream::connect(&reg.socket).expect("connect as root");
+    assert!(answer(host).starts_with("HTTP/1.1 "), "root was not served");
 }

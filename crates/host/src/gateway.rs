@@ -83,6 +83,7 @@ fn registration(vm: &VmDir, r: &VmRecord) -> crate::Result<Registration> {
         effects: c.effects,
         // The gateway applies the contract's egress as the tap does.
         network: c.network,
+        peer_uid: r.uid,
     })
 }
 

@@ -54,6 +54,10 @@ pub struct VmRecord {
     /// Its RAM is paged in lazily from the store (a lazy wake).
     #[serde(default)]
     pub lazy: bool,
+    /// The uid its VMM's process tree runs as (`host::jail::uid_for` of
+    /// the vm that booted it; a fork child keeps its parent's).
+    #[serde(default)]
+    pub uid: Option<u32>,
 }
 
 /// Written by the VMM when it ends.

@@ -441,6 +441,7 @@ fn launch(
             None => Vec::new(),
         },
         lazy: spec.lazy_snapshot.is_some(),
+        uid: Some(crate::jail::uid_for(&h.home, &vm.name)),
     };
     let written = vm.write_record(&record);
     drop(spawning);

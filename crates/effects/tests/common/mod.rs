@@ -340,6 +340,7 @@ impl Gateway {
             lineage: vec![],
             effects,
             network: Default::default(),
+            peer_uid: None,
         };
         self.call(Request::Register { reg: reg.clone() });
         reg
@@ -368,6 +369,7 @@ impl Gateway {
                 lineage: lineage.clone(),
                 effects: parent.effects.clone(),
                 network: parent.network.clone(),
+                peer_uid: None,
             })
             .collect();
         self.call(Request::MomentDone {
@@ -417,6 +419,7 @@ impl Gateway {
                     lineage: lineage.clone(),
                     effects: parent.effects.clone(),
                     network: parent.network.clone(),
+                    peer_uid: None,
                 };
                 onto.call(Request::Register { reg: reg.clone() });
                 reg
