@@ -103,7 +103,10 @@ pub fn expose_all(pid: u32, dirs: &[&Path]) -> crate::Result<()> {
     // Moved into the VMM's namespace by a helper process: setns into a
     // mount namespace needs a single-threaded process, which tined is
     // not. The work happens between fork and exec, and the child exits.
-    let mut cmd = Command::new("true");
+    // The program is never run (the child ends in pre_exec): any path
+    // that exists does, with no PATH lookup.
+    let program = std::env::current_exe().unwrap_or_else(|_| "/bin/true".into());
+    let mut cmd = Command::new(program);
     // SAFETY: only async-signal-safe syscalls run in the child, on
     // buffers made before the fork (`moves` outlives the command).
     unsafe {
@@ -112,6 +115,11 @@ pub fn expose_all(pid: u32, dirs: &[&Path]) -> crate::Result<()> {
                 return Err(std::io::Error::last_os_error());
             }
             for (tree_fd, path) in &plan {
+                // A mount left there before (a staging directory of the
+                // same name, removed since on the host) goes first:
+                // nothing mounts over a deleted directory (ENOENT). Not
+                // a mount point: EINVAL, nothing done.
+                libc::umount2(path.as_ptr(), libc::MNT_DETACH);
                 let rc = libc::syscall(
                     libc::SYS_move_mount,
                     *tree_fd,
@@ -124,7 +132,7 @@ pub fn expose_all(pid: u32, dirs: &[&Path]) -> crate::Result<()> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
-            // Done: no exec (`true` is not in the jail's root). spawn
+            // Done: no exec (the program is not in the jail's root). spawn
             // sees the exec pipe close, the waiter status 0.
             libc::_exit(0)
         });
