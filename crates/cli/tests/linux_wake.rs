@@ -268,8 +268,9 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
     // host every `tine exec` is a CLI start of about a second, and the
     // longer eleven vms run there, the likelier its kernel dies
     // (testhost/README.md). Lines: randomness, hostname, MAC, address,
-    // machine-id (all unique), clock, the inherited connection, secrets.
-    let mut seen: [HashSet<String>; 5] = Default::default();
+    // machine-id, boot id (all unique), clock, the inherited connection,
+    // secrets.
+    let mut seen: [HashSet<String>; 6] = Default::default();
     for (i, c) in children.iter().enumerate() {
         // The whole file system once; where a secret could be written elsewhere.
         let scan = if i == 0 { "/" } else { "/run /tmp /etc /root" };
@@ -280,7 +281,7 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
             &format!(
                 "head -c32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; hostname; \
                  cat /sys/class/net/eth0/address; ip -4 -o addr show dev eth0 | grep -o 'inet [0-9./]*'; \
-                 echo \"$(cat /etc/machine-id)\"; \
+                 echo \"$(cat /etc/machine-id)\"; cat /proc/sys/kernel/random/boot_id; \
                  {GUEST_CLOCK_NS}; \
                  echo \"$(cat /tmp/nc.status 2>/dev/null || echo running)|$(tr '\\n' ' ' </tmp/nc.out)\"; \
                  cat /run/secrets/keep; echo; ls /run/secrets/tok 2>/dev/null || echo tok-gone; \
@@ -291,7 +292,7 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
         );
         let after = now_ns();
         let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(lines.len(), 13, "{c}: {out}");
+        assert_eq!(lines.len(), 14, "{c}: {out}");
         assert_eq!(lines[0].len(), 64, "{c}: 32 random bytes: {out}");
         assert_eq!(lines[1], c, "{c}: hostname");
         assert_eq!(
@@ -305,22 +306,27 @@ fn test_ten_secure_children_are_new_and_the_parent_keeps_its_connection() {
                 "{c}: {v:?} is not unique among the children"
             );
         }
-        assert_clock_between(c, lines[5], before, after, Duration::from_secs(1));
+        assert_clock_between(c, lines[6], before, after, Duration::from_secs(1));
         // The child's nc saw its connection end (busybox nc exits 0 on a
         // reset as on EOF) and never got what the server sent the parent.
         assert!(
-            lines[6].starts_with("exit ") && !lines[6].contains("after-fork"),
+            lines[7].starts_with("exit ") && !lines[7].contains("after-fork"),
             "{c}: the inherited connection must be closed: {out}"
         );
         // Secrets: kept, revoked (gone everywhere, hook ran), rotated.
         assert_eq!(
-            lines[7..].join("\n"),
+            lines[8..].join("\n"),
             format!("keep-value-1234\ntok-gone\ntok /run/secrets/tok\nrot-{c}-p\n600\nnowhere"),
             "{c}: secrets"
         );
     }
-    // The parent's address is none of its children's.
+    // The parent's address and boot id are none of its children's.
     assert!(!seen[3].contains(&format!("inet {}/24", h.lease_ip("p"))));
+    let boot_id = exec(&h, "p", "cat /proc/sys/kernel/random/boot_id");
+    assert!(
+        !seen[5].contains(boot_id.trim()),
+        "a child kept the parent's boot id {boot_id}"
+    );
     let out = exec(&h, "p", "cat /run/secrets/tok; echo; cat /run/secrets/db");
     assert_eq!(
         out, "revoked-value-8d3f2a\nkeep-value-1234",
