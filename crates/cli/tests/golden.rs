@@ -1,14 +1,18 @@
 //! Golden snapshots: one checked-in snapshot directory per state format
-//! (`tests/golden/<major.minor>/`: manifest.json, state, memory.zst, of a
-//! micro-memtouch vm at 64 MiB). Each build must restore every golden its
-//! read rule accepts and refuse the others with a message naming the
-//! format; and the state this build writes must have the shape of the
-//! current format's golden, so a change to a state struct without a
-//! version bump fails here.
+//! and CPU vendor (`tests/golden/<major.minor>-<amd|intel>/`:
+//! manifest.json, state, memory.zst, of a micro-memtouch vm at 64 MiB). A
+//! snapshot holds its guest's CPU, so it restores only on a host of its
+//! vendor. Each build must restore every golden its read rule accepts
+//! that was taken on this host's vendor, refuse the other vendor's by
+//! naming the CPU (after reading its state), and refuse unreadable
+//! formats with a message naming the format; and the state this build
+//! writes must have the shape of the current format's golden, so a change
+//! to a state struct without a version bump fails here.
 //!
-//! A new format's golden: bump `snapshot::FORMAT_VERSION`, then
-//! `TINE_GOLDEN_WRITE=1 cargo test -p tine-cli --test golden` writes
-//! `tests/golden/<new version>/` (commit it).
+//! A new format's golden, or a vendor's first: bump
+//! `snapshot::FORMAT_VERSION` (not for a vendor), then
+//! `TINE_GOLDEN_WRITE=1 cargo test -p tine-cli --test golden` on a host of
+//! each vendor writes `tests/golden/<version>-<vendor>/` (commit them).
 
 mod common;
 
@@ -20,6 +24,24 @@ use common::{kvm_available, Home, TempDir};
 
 fn golden_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+/// This host's CPU vendor as golden directories name it.
+fn host_vendor() -> &'static str {
+    let info = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+    if info.contains("AuthenticAMD") {
+        "amd"
+    } else if info.contains("GenuineIntel") {
+        "intel"
+    } else {
+        panic!("a CPU vendor golden snapshots do not know")
+    }
+}
+
+/// A golden directory's name: its format and the vendor it was taken on.
+fn golden_name(dir: &Path) -> Option<(snapshot::Version, String)> {
+    let (v, vendor) = dir.file_name()?.to_str()?.split_once('-')?;
+    Some((v.parse().ok()?, vendor.to_string()))
 }
 
 fn console(h: &Home, vm: &str) -> String {
@@ -120,7 +142,8 @@ fn test_every_golden_snapshot_restores_or_is_refused_by_name() {
     let current = snapshot::FORMAT_VERSION.to_string();
     let written = work.path().join("now");
     take(&h, &written);
-    let mine = golden_root().join(&current);
+    let vendor = host_vendor();
+    let mine = golden_root().join(format!("{current}-{vendor}"));
     if !mine.is_dir() {
         if std::env::var_os("TINE_GOLDEN_WRITE").is_some() {
             std::fs::create_dir_all(&mine).expect("mkdir");
@@ -149,17 +172,13 @@ fn test_every_golden_snapshot_restores_or_is_refused_by_name() {
     let mut seen = 0;
     for entry in std::fs::read_dir(golden_root()).expect("golden dir") {
         let golden = entry.expect("entry").path();
-        let Some(version) = golden
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.parse::<snapshot::Version>().ok())
-        else {
+        let Some((version, taken_on)) = golden_name(&golden) else {
             continue;
         };
         seen += 1;
-        let dir = work.path().join(format!("v{version}"));
+        let dir = work.path().join(format!("v{version}-{taken_on}"));
         unpack(&golden, &dir);
-        let name = format!("g{}x{}", version.major, version.minor);
+        let name = format!("g{}x{}{taken_on}", version.major, version.minor);
         let args = [
             "run",
             "--name",
@@ -167,7 +186,16 @@ fn test_every_golden_snapshot_restores_or_is_refused_by_name() {
             "--from",
             dir.to_str().expect("utf8"),
         ];
-        if snapshot::FORMAT_VERSION.reads(version) {
+        if snapshot::FORMAT_VERSION.reads(version) && taken_on != vendor {
+            // Read, then refused for its CPU, by name.
+            let out = h.out(&args);
+            let e = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{taken_on}'s {version} restored");
+            assert!(
+                e.contains("CPU vendor: the snapshot needs"),
+                "{taken_on}'s {version}: {e}"
+            );
+        } else if snapshot::FORMAT_VERSION.reads(version) {
             h.ok(&args);
             // It continues: memtouch answers, with the memory it had.
             let from = console(&h, &name).len();
