@@ -271,6 +271,11 @@ fn test_the_home_is_closed_to_other_users_whatever_the_umask() {
     };
     open(h.0.path(), 0o755);
     open(&h.0.path().join("vms"), 0o755);
+    // `vms/c` leads to the vm's directory in its tree's (`t/TREE/c`).
+    let real = std::fs::canonicalize(&vm).expect("the vm's directory");
+    for d in real.ancestors().skip(1).take(2) {
+        open(d, 0o755);
+    }
     open(&vm, 0o755);
     open(&vm.join("api.sock"), 0o777);
     open(&h.0.path().join("tined.sock"), 0o777);
@@ -549,31 +554,49 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
                 "{vm}'s VMM sees /{absent}"
             );
         }
-        let home = h.0.path().strip_prefix("/").expect("absolute home");
-        assert!(Path::new(&root).join(home).join("vms").join(vm).is_dir());
-        // The home's vms, layers and images, but none of its state: the
-        // fleet database, tined's socket, the store, intents, locks and
-        // the effects journal are masked (empty, or a file of mode 0).
-        assert!(Path::new(&root).join(home).join("vms/other").is_dir());
-        for dir in ["store", "intents", "locks", "effects"] {
-            let host = std::fs::read_dir(h.0.path().join(dir)).map_or(0, |d| d.count());
-            let seen =
-                std::fs::read_dir(Path::new(&root).join(home).join(dir)).map_or(0, |d| d.count());
-            assert_eq!(seen, 0, "{vm}'s VMM sees $TINE_HOME/{dir} ({host} entries)");
-        }
+        // Of the home, its own tree's directory only: its vm's, its
+        // sibling's (a fork child appears there by itself), and not
+        // another tree's vm, the links of `vms/`, the frozen layers of
+        // other trees, nor any of the home's state (the fleet database,
+        // tined's socket, the store, intents, locks, the effects journal).
+        let seen = |p: &Path| Path::new(&root).join(p.strip_prefix("/").expect("absolute"));
+        let dir = |n: &str| std::fs::canonicalize(h.0.path().join("vms").join(n)).expect("vm dir");
+        let own = dir(vm);
         assert!(
-            std::fs::read_dir(h.0.path().join("locks"))
-                .expect("locks")
-                .count()
-                > 0
+            seen(&own).is_dir(),
+            "{vm}'s VMM does not see {}",
+            own.display()
         );
-        for file in ["fleet.db", "tined.sock"] {
-            assert!(h.0.path().join(file).exists(), "no {file} in the home");
-            let seen = std::fs::metadata(Path::new(&root).join(home).join(file)).expect("mask");
-            assert!(
-                seen.is_file() && seen.len() == 0 && seen.permissions().mode() & 0o777 == 0,
-                "{vm}'s VMM sees $TINE_HOME/{file}: {seen:?}"
-            );
+        let sibling = dir(if vm == "a" { "b" } else { "a" });
+        assert_eq!(
+            sibling.parent(),
+            own.parent(),
+            "a fork child is in its parent's tree"
+        );
+        assert!(
+            seen(&sibling).is_dir(),
+            "{vm}'s VMM does not see {}",
+            sibling.display()
+        );
+        let other = dir("other");
+        assert_ne!(
+            other.parent(),
+            own.parent(),
+            "a run makes a tree of its own"
+        );
+        assert!(!seen(&other).exists(), "{vm}'s VMM sees another tree's vm");
+        for what in [
+            "vms",
+            "store",
+            "intents",
+            "locks",
+            "effects",
+            "fleet.db",
+            "tined.sock",
+        ] {
+            let p = h.0.path().join(what);
+            assert!(p.exists(), "no {what} in the home");
+            assert!(!seen(&p).exists(), "{vm}'s VMM sees $TINE_HOME/{what}");
         }
         // Its own group (a child left its parent's), with the vm's limits.
         let group = pids_group(pid);

@@ -230,7 +230,8 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         contract::Egress::Allow => None,
         contract::Egress::Deny => Some(contract.allow_rules()?),
     };
-    let dirs: Vec<VmDir> = names.iter().map(|n| VmDir::new(&h.home, n)).collect();
+    // Children are in their parent's tree: its VMM's jail shows them.
+    let dirs: Vec<VmDir> = names.iter().map(|n| vm.sibling(n)).collect();
     crate::providers::check(&h.home, &contract)?;
     let rotated = names
         .iter()
@@ -256,9 +257,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let res = (|| -> crate::Result<Vec<VmRecord>> {
         let mut recs = Vec::with_capacity(dirs.len());
         for d in &dirs {
-            let _ = std::fs::remove_dir_all(&d.dir);
-            std::fs::create_dir_all(&d.dir)
-                .with_context(|| format!("cannot create {}", d.dir.display()))?;
+            d.create()?;
             let lease = match r.lease {
                 Some(parent) => {
                     let l = net::lease_in_tree(&h.home, &parent, &d.name)?;
@@ -367,7 +366,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         &vm.api_socket(),
         &Request::Fork {
             children: children.clone(),
-            layers_dir: state::layers_dir(&h.home),
+            layers_dir: vm.layers_dir(),
         },
         &taps.iter().map(|t| t.as_raw_fd()).collect::<Vec<_>>(),
     );
@@ -604,7 +603,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
         &Request::Checkpoint {
             tag: tag.clone(),
             socket: socket.clone(),
-            layers_dir: state::layers_dir(&h.home),
+            layers_dir: vm.layers_dir(),
         },
         &mut intent,
     );
@@ -865,7 +864,7 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
         MomentKind::Snapshot,
         &Request::Snapshot {
             dir: dir.clone(),
-            layers_dir: state::layers_dir(&h.home),
+            layers_dir: vm.layers_dir(),
             contract: Some(vm.read_contract()?.to_toml()),
         },
         &mut intent,

@@ -1,7 +1,8 @@
 //! Frozen disk layers: who uses them, and freeing the ones nobody does.
 //!
-//! Every moment of a vm with a disk freezes its top layer into
-//! `$TINE_HOME/layers/` and stacks a new top on it; children and
+//! Every moment of a vm with a disk freezes its top layer into its
+//! tree's `.layers/` (`$TINE_HOME/layers/` for a vm from before trees,
+//! crates/host/src/state.rs) and stacks a new top on it; children and
 //! checkpoints stack on the frozen one too. A frozen layer is in use while
 //! some chain reaches it: a vm's disk chain, a checkpoint's, a snapshot
 //! directory's that this home wrote. After a removal (a vm, a child, a
@@ -142,8 +143,10 @@ pub fn paths_in_use(h: &Host) -> Vec<PathBuf> {
 /// other chain reaches (in chain order), which its VMM can fold into the
 /// top.
 fn foldable(h: &Host, chains: &[(Owner, Vec<PathBuf>)]) -> Vec<(String, Vec<PathBuf>)> {
-    let frozen_dir = std::fs::canonicalize(state::layers_dir(&h.home))
-        .unwrap_or_else(|_| state::layers_dir(&h.home));
+    let frozen_dirs: Vec<PathBuf> = state::all_layers_dirs(&h.home)
+        .into_iter()
+        .map(|d| std::fs::canonicalize(&d).unwrap_or(d))
+        .collect();
     let mut users: std::collections::HashMap<&PathBuf, usize> = Default::default();
     for (_, c) in chains {
         for l in c {
@@ -158,7 +161,7 @@ fn foldable(h: &Host, chains: &[(Owner, Vec<PathBuf>)]) -> Vec<(String, Vec<Path
         // Below the top, down to the first layer someone else uses (or
         // the bottom, which stays the chain's base).
         for l in c.iter().skip(1).take(c.len().saturating_sub(2)) {
-            if users.get(l) != Some(&1) || !l.starts_with(&frozen_dir) {
+            if users.get(l) != Some(&1) || !frozen_dirs.iter().any(|d| l.starts_with(d)) {
                 break;
             }
             by_vm.entry(name.clone()).or_default().push(l.clone());
@@ -240,22 +243,52 @@ fn delete_unused(h: &Host) -> (usize, Vec<String>) {
         Ok(u) => u,
         Err(e) => return (0, vec![format!("frozen layers kept: {e}")]),
     };
-    let dir = state::layers_dir(&h.home);
-    let Ok(rd) = std::fs::read_dir(&dir) else {
-        return (0, Vec::new());
-    };
     let mut freed = 0;
     let mut problems = Vec::new();
-    for e in rd.flatten() {
-        let p = e.path();
-        let canon = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
-        if used.contains(&canon) {
+    for dir in state::all_layers_dirs(&h.home) {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
             continue;
-        }
-        match std::fs::remove_file(&p) {
-            Ok(()) => freed += 1,
-            Err(e) => problems.push(format!("cannot remove {}: {e}", p.display())),
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let canon = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
+            if used.contains(&canon) {
+                continue;
+            }
+            match std::fs::remove_file(&p) {
+                Ok(()) => freed += 1,
+                Err(e) => problems.push(format!("cannot remove {}: {e}", p.display())),
+            }
         }
     }
+    problems.extend(sweep_trees(h));
     (freed, problems)
+}
+
+/// Removes what no vm's link leads to in the trees' directories (a vm
+/// directory a crash left between its making and its link) and the trees
+/// left empty. Called with the layers lock held exclusive: every
+/// operation that makes a tree or a vm in one holds it shared.
+fn sweep_trees(h: &Host) -> Vec<String> {
+    let mut problems = Vec::new();
+    for tree in state::trees(&h.home) {
+        let Ok(rd) = std::fs::read_dir(&tree) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if name.starts_with('.') || state::VmDir::new(&h.home, &name).dir == e.path() {
+                continue;
+            }
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                problems.push(format!("cannot remove {}: {err}", e.path().display()));
+            }
+        }
+        // Fails while anything is left in it.
+        let _ = std::fs::remove_dir(tree.join(".layers"));
+        let _ = std::fs::remove_dir(&tree);
+    }
+    problems
 }

@@ -193,7 +193,7 @@ fn settle_intent(h: &Host, rec: &intent::Record) -> String {
                     Err(e) => format!("could not finish: {e}"),
                 },
                 Err(_) => {
-                    let _ = std::fs::remove_dir_all(&d.dir);
+                    let _ = d.remove_dir();
                     "finished".into()
                 }
             }

@@ -1,6 +1,16 @@
 //! Where a vm's state lives on the host, and how its state is read back.
 //!
-//! `$TINE_HOME/vms/NAME/` holds `vm.json` (what was started: pid, config),
+//! Each VMM process tree (a vm started by `run` or a wake, and every child
+//! forked from it) has a directory of its own, `$TINE_HOME/t/TREE/`: its
+//! vms' directories (`t/TREE/NAME/`) and the frozen layers its forks made
+//! (`t/TREE/.layers/`). A jailed VMM sees only its tree's directory
+//! (docs/design/isolation.md); one directory because a fork renames a
+//! vm's top layer into `.layers`, which rename(2) does only within a
+//! mount. `$TINE_HOME/vms/NAME` is a link to the vm's directory, so the
+//! host finds a vm by name (a home from before trees has real
+//! directories there, and vms in them stay as they were).
+//!
+//! A vm's directory holds `vm.json` (what was started: pid, config),
 //! `console.log` (COM1), `vmm.log` (the VMM's own stderr), `vsock.sock`
 //! (the agent's hybrid vsock socket) and, once the VMM has ended,
 //! `exit.json` (why). A vm whose VMM process is gone without an `exit.json`
@@ -98,15 +108,67 @@ impl std::fmt::Display for VmState {
     }
 }
 
-/// Frozen disk layers, shared by the vms stacked on them (kept when a
-/// vm is removed: its children may still use them).
+/// Frozen disk layers of the vms made before trees had directories,
+/// shared by the vms stacked on them (kept when a vm is removed: its
+/// children may still use them).
 pub fn layers_dir(home: &Path) -> PathBuf {
     home.join("layers")
 }
 
-/// The directory of all vms.
+/// Every directory of frozen layers: the home's own (from before trees)
+/// and each tree's.
+pub fn all_layers_dirs(home: &Path) -> Vec<PathBuf> {
+    let mut out = vec![layers_dir(home)];
+    out.extend(trees(home).into_iter().map(|t| t.join(TREE_LAYERS)));
+    out
+}
+
+/// The links to all vms' directories (`vms/NAME`).
 pub fn vms_dir(home: &Path) -> PathBuf {
     home.join("vms")
+}
+
+/// The directory of all trees.
+pub fn trees_dir(home: &Path) -> PathBuf {
+    home.join("t")
+}
+
+/// A tree's frozen layers, beside its vms' directories (a vm name never
+/// starts with a dot).
+const TREE_LAYERS: &str = ".layers";
+
+/// The directories of all trees, sorted.
+pub fn trees(home: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(trees_dir(home))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(is_tree_id))
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    out
+}
+
+/// Tree ids are 8 lowercase hex digits: short, because a vm's socket
+/// paths (at most 107 bytes) run through them.
+fn is_tree_id(s: &str) -> bool {
+    s.len() == 8
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The directory `link` (`vms/NAME`) leads to when it is a link of the
+/// form tine makes, `../t/TREE/NAME`; anything else is not followed.
+fn follow(home: &Path, link: &Path, name: &str) -> Option<PathBuf> {
+    let to = std::fs::read_link(link).ok()?;
+    let mut parts = to.components().map(|c| c.as_os_str().to_str());
+    let ok = parts.next() == Some(Some(".."))
+        && parts.next() == Some(Some("t"))
+        && parts.next().flatten().is_some_and(is_tree_id)
+        && parts.next() == Some(Some(name))
+        && parts.next().is_none();
+    ok.then(|| home.join(to.components().skip(1).collect::<PathBuf>()))
 }
 
 /// Checks a vm name: it becomes a directory and a tap/socket name part.
@@ -131,15 +193,148 @@ pub fn validate_name(name: &str) -> crate::Result<()> {
 #[derive(Clone, Debug)]
 pub struct VmDir {
     pub name: String,
+    /// The directory itself: `t/TREE/NAME`, or `vms/NAME` for a vm from
+    /// before trees (or one not made yet).
     pub dir: PathBuf,
+    /// `vms/NAME`: the link to `dir` (or `dir` itself).
+    link: PathBuf,
 }
 
 impl VmDir {
+    /// Vm `name` of `home`, where its link leads.
     pub fn new(home: &Path, name: &str) -> Self {
+        let link = vms_dir(home).join(name);
         Self {
             name: name.to_string(),
-            dir: vms_dir(home).join(name),
+            dir: follow(home, &link, name).unwrap_or_else(|| link.clone()),
+            link,
         }
+    }
+
+    /// A vm not made yet, in a tree of its own (a `run` or a wake: a new
+    /// VMM process tree). Its tree's id is new: nothing else is in it.
+    pub fn new_tree(home: &Path, name: &str) -> crate::Result<Self> {
+        let trees = trees_dir(home);
+        std::fs::create_dir_all(&trees)
+            .with_context(|| format!("cannot create {}", trees.display()))?;
+        for _ in 0..16 {
+            let mut id = [0u8; 4];
+            crate::wake::random_bytes(&mut id)?;
+            let id: String = id.iter().map(|b| format!("{b:02x}")).collect();
+            let tree = trees.join(&id);
+            match std::fs::create_dir(&tree) {
+                Ok(()) => {
+                    return Ok(Self {
+                        name: name.to_string(),
+                        dir: tree.join(name),
+                        link: vms_dir(home).join(name),
+                    })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => {
+                    return Err(
+                        crate::Error::from(e).context(format!("cannot create {}", tree.display()))
+                    )
+                }
+            }
+        }
+        Err(crate::Error::failed(format!(
+            "no free tree id in {} after 16 tries",
+            trees.display()
+        )))
+    }
+
+    /// A vm not made yet in this vm's tree (a fork child).
+    pub fn sibling(&self, name: &str) -> Self {
+        let link = self.link.with_file_name(name);
+        let dir = match self.tree() {
+            Some(t) => t.join(name),
+            None => link.clone(),
+        };
+        Self {
+            name: name.to_string(),
+            dir,
+            link,
+        }
+    }
+
+    /// The directory of this vm's tree (`t/TREE`): all a jailed VMM of
+    /// the tree sees of the home's vms and layers. `None` for a vm from
+    /// before trees.
+    pub fn tree(&self) -> Option<&Path> {
+        if self.dir == self.link {
+            return None;
+        }
+        self.dir.parent()
+    }
+
+    /// Where this vm's forks and snapshots put the frozen layers they
+    /// make: its tree's `.layers` (the same mount as its top layers).
+    pub fn layers_dir(&self) -> PathBuf {
+        match self.tree() {
+            Some(t) => t.join(TREE_LAYERS),
+            None => self
+                .link
+                .parent()
+                .and_then(Path::parent)
+                .map_or_else(|| PathBuf::from("layers"), layers_dir),
+        }
+    }
+
+    /// Makes the vm's directory (empty: whatever a vm of this name left
+    /// before goes first) and its link.
+    pub fn create(&self) -> crate::Result<()> {
+        self.remove_dir()?;
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("cannot create {}", self.dir.display()))?;
+        if self.dir != self.link {
+            let rel = Path::new("..").join(
+                self.dir
+                    .strip_prefix(
+                        self.link
+                            .parent()
+                            .and_then(Path::parent)
+                            .unwrap_or(&self.dir),
+                    )
+                    .unwrap_or(&self.dir),
+            );
+            if let Some(vms) = self.link.parent() {
+                std::fs::create_dir_all(vms)
+                    .with_context(|| format!("cannot create {}", vms.display()))?;
+            }
+            std::os::unix::fs::symlink(&rel, &self.link)
+                .with_context(|| format!("cannot link {}", self.link.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Removes the vm's directory and its link: where the link leads
+    /// now (a vm of this name made before, in another tree) as well as
+    /// this one's directory. Nothing there is not an error.
+    pub fn remove_dir(&self) -> crate::Result<()> {
+        let home = self.link.parent().and_then(Path::parent);
+        let now = home.and_then(|h| follow(h, &self.link, &self.name));
+        for d in now.iter().chain(std::iter::once(&self.dir)) {
+            if *d == self.link {
+                continue;
+            }
+            match std::fs::remove_dir_all(d) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(
+                        crate::Error::from(e).context(format!("cannot remove {}", d.display()))
+                    )
+                }
+                _ => {}
+            }
+        }
+        // The link, or a vm directory from before trees.
+        let gone = match std::fs::symlink_metadata(&self.link) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&self.link),
+            Ok(_) => std::fs::remove_file(&self.link),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        };
+        gone.with_context(|| format!("cannot remove {}", self.link.display()))
     }
     pub fn record_path(&self) -> PathBuf {
         self.dir.join("vm.json")
@@ -352,6 +547,60 @@ pub fn list(home: &Path) -> crate::Result<Vec<VmDir>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run's vm gets a tree of its own, a fork child its parent's; the
+    /// link finds both; removal takes the directory and the link; a link
+    /// tine did not make is not followed.
+    #[test]
+    fn test_a_vm_lives_in_its_tree_and_vms_links_to_it() {
+        let home = tempfile::tempdir().expect("home");
+        let h = home.path();
+        let a = VmDir::new_tree(h, "a").expect("tree");
+        a.create().expect("create");
+        let tree = a.tree().expect("in a tree").to_path_buf();
+        assert_eq!(tree.parent(), Some(trees_dir(h).as_path()));
+        assert_eq!(a.layers_dir(), tree.join(".layers"));
+        std::fs::write(a.record_path(), b"{}").expect("record");
+        let found = VmDir::new(h, "a");
+        assert_eq!(found.dir, a.dir);
+        assert!(found.exists());
+        let b = found.sibling("b");
+        b.create().expect("create");
+        assert_eq!(VmDir::new(h, "b").dir, tree.join("b"));
+        let other = VmDir::new_tree(h, "c").expect("tree");
+        assert_ne!(other.tree(), a.tree());
+        assert_eq!(trees(h).len(), 2);
+        // A leftover of the same name, in another tree, goes first.
+        let again = VmDir::new_tree(h, "a").expect("tree");
+        again.create().expect("create");
+        assert!(!a.dir.exists());
+        assert_eq!(VmDir::new(h, "a").dir, again.dir);
+        again.remove_dir().expect("remove");
+        assert!(!again.dir.exists());
+        assert!(std::fs::symlink_metadata(vms_dir(h).join("a")).is_err());
+        assert!(VmDir::new(h, "a").tree().is_none());
+        // Links of other shapes lead nowhere.
+        for (name, to) in [
+            ("x", "/etc"),
+            ("y", "../t/0000000g/y"),
+            ("z", "../t/00000000/w"),
+        ] {
+            std::os::unix::fs::symlink(to, vms_dir(h).join(name)).expect("link");
+            let d = VmDir::new(h, name);
+            assert_eq!(d.dir, vms_dir(h).join(name), "{to}");
+            assert!(d.tree().is_none());
+        }
+        // A vm from before trees: its directory is `vms/NAME`, its layers
+        // the home's.
+        let old = VmDir::new(h, "old");
+        old.create().expect("create");
+        assert!(vms_dir(h).join("old").is_dir());
+        assert!(old.tree().is_none());
+        assert_eq!(old.layers_dir(), layers_dir(h));
+        assert_eq!(old.sibling("kid").dir, vms_dir(h).join("kid"));
+        old.remove_dir().expect("remove");
+        assert!(!vms_dir(h).join("old").exists());
+    }
 
     #[test]
     fn test_validate_name_rejects_paths_and_empty() {

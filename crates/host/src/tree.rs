@@ -209,7 +209,7 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
     let req = match (parent, round) {
         (Some(_), _) | (None, Round::Precopy) => Request::SnapshotLayer {
             dir: staging.clone(),
-            layers_dir: state::layers_dir(&h.home),
+            layers_dir: vm.layers_dir(),
             contract: Some(contract.to_toml()),
             full: parent.is_none(),
             rebase: label.clone(),
@@ -217,7 +217,7 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         },
         (None, Round::Sleep) => Request::Snapshot {
             dir: staging.clone(),
-            layers_dir: state::layers_dir(&h.home),
+            layers_dir: vm.layers_dir(),
             contract: Some(contract.to_toml()),
         },
     };

@@ -349,9 +349,9 @@ pub(crate) fn start_reserved(h: &Host, spec: RunSpec) -> crate::Result<RunReport
     let started = Instant::now();
     let plan = plan(h, &spec)?;
     let _layers = crate::layers::shared(h)?;
-    let vm = VmDir::new(&h.home, &spec.name);
-    if let Ok(r) = vm.read_record() {
-        return Err(Error::conflict(match vm.state(&r) {
+    let old = VmDir::new(&h.home, &spec.name);
+    if let Ok(r) = old.read_record() {
+        return Err(Error::conflict(match old.state(&r) {
             VmState::Running => format!(
                 "a vm named {:?} is already running; pick another name",
                 spec.name
@@ -362,6 +362,8 @@ pub(crate) fn start_reserved(h: &Host, spec: RunSpec) -> crate::Result<RunReport
             ),
         }));
     }
+    // A new VMM process tree: a directory of its own.
+    let vm = VmDir::new_tree(&h.home, &spec.name)?;
     let mut intent = Intent::begin(
         &h.home,
         Op::Run {
@@ -388,10 +390,8 @@ fn launch(
     intent: &mut Intent,
     started: Instant,
 ) -> crate::Result<RunReport> {
-    // Leftovers of a vm that never wrote its record.
-    let _ = std::fs::remove_dir_all(&vm.dir);
-    std::fs::create_dir_all(&vm.dir)
-        .with_context(|| format!("cannot create {}", vm.dir.display()))?;
+    // (Leftovers of a vm of this name that never wrote its record go.)
+    vm.create()?;
     let lease = if spec.net {
         let l = net::lease_new_tree(&h.home, &spec.name)?;
         // Recorded at once, so an undo releases it.
@@ -607,7 +607,7 @@ pub(crate) fn undo_start(h: &Host, vm: &VmDir) {
         }
     }
     cgroup::remove(&h.home, &vm.name);
-    let _ = std::fs::remove_dir_all(&vm.dir);
+    let _ = vm.remove_dir();
 }
 
 /// The `tine-vmm --from DIR` command line for a restore, with a top
@@ -729,6 +729,10 @@ fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<C
     }
     cmd.arg("--uid")
         .arg(crate::jail::uid_for(&h.home, &vm.name).to_string());
+    if let Some(tree) = vm.tree() {
+        // All of the home's vms and layers its jail shows.
+        cmd.arg("--tree").arg(tree);
+    }
     cmd.arg("--console-log").arg(vm.console_log());
     cmd.arg("--console-socket").arg(vm.console_socket());
     cmd.arg("--exit-file").arg(vm.exit_path());
@@ -1123,8 +1127,7 @@ pub(crate) fn remove_locked(h: &Host, vm: &VmDir, r: &VmRecord) -> crate::Result
     if let Err(e) = crate::branches::forget_vm(h, vm) {
         problems.push(format!("the store still lists branch {:?}: {e}", vm.name));
     }
-    std::fs::remove_dir_all(&vm.dir)
-        .with_context(|| format!("cannot remove {}", vm.dir.display()))?;
+    vm.remove_dir()?;
     Ok(Removed {
         name: vm.name.clone(),
         what: "vm".into(),

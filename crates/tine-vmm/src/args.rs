@@ -103,6 +103,13 @@ pub struct VmmArgs {
     /// children keep it). Only a privileged VMM can change its uid.
     #[arg(long, hide = true, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) uid: Option<u32>,
+    /// The directory of this VMM's process tree in `$TINE_HOME`
+    /// (`t/TREE`: its vms and their frozen layers; the host makes it,
+    /// fork children share it): all of the home's vms and layers the jail
+    /// shows. Without it the jail shows the home's `vms` and `layers`
+    /// whole (a vm from before trees).
+    #[arg(long, hide = true)]
+    pub(crate) tree: Option<PathBuf>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     pub(crate) kvm_device: PathBuf,

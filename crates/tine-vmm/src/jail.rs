@@ -1,10 +1,13 @@
-//! What a VMM's own root holds (`vmm::jail`): `$TINE_HOME` with its
-//! vms, frozen layers and images, but none of its state (the fleet
-//! database, the store, the effects journal, intents, locks, tined's
-//! socket: each is masked); every file its command line names (with a
-//! disk's backing chain); the device nodes it opens; for a lazy wake the
+//! What a VMM's own root holds (`vmm::jail`): of `$TINE_HOME`, its own
+//! tree's directory (`--tree`: the vms forked from one `run` or wake and
+//! their frozen layers) and the images; every file its command line names
+//! (with a disk's backing chain, which may reach another tree's frozen
+//! layers: read-only); the device nodes it opens; for a lazy wake the
 //! store and what the store's network client reads (resolver and CA
-//! files). Nothing else of the host is there.
+//! files). Nothing else of the host is there: no other tree's vms or
+//! layers, nor the home's state (the fleet database, the effects journal,
+//! intents, locks, tined's socket). A VMM of a vm from before trees (no
+//! `--tree`) sees the home with its state masked.
 
 use std::path::{Path, PathBuf};
 
@@ -38,8 +41,15 @@ pub fn needs_network(args: &VmmArgs) -> bool {
 /// The jail's mounts for a VMM started with `args` in `home`.
 pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
     // One mount for the vms and the frozen layers: a fork renames a vm's
-    // top layer into `layers`, which rename(2) does only within a mount.
-    let mut binds = vec![Bind::rw(home)];
+    // top layer into `.layers`, which rename(2) does only within a mount.
+    let mut binds = match &args.tree {
+        Some(tree) => vec![Bind::rw(tree)],
+        None => vec![Bind::rw(home)],
+    };
+    if args.tree.is_some() && needs_network(args) {
+        // Page-in reads and caches the store's chunks.
+        binds.push(Bind::rw(home.join("store")));
+    }
     // `images` is often a link to the shared image cache.
     binds.push(Bind::ro(home.join("images")));
     binds.push(Bind::rw(&args.kvm_device));
@@ -111,7 +121,12 @@ pub fn mounts(home: &Path, args: &VmmArgs) -> Mounts {
         root: home.join(".jail"),
         binds: all,
         links,
-        masks: masks(home, args),
+        masks: if args.tree.is_some() {
+            // The home itself is not there.
+            Vec::new()
+        } else {
+            masks(home, args)
+        },
     }
 }
 
