@@ -6,7 +6,7 @@ mod common;
 use std::os::unix::net::UnixListener;
 use std::process::Output;
 
-use common::{kvm_available, tine, TempDir};
+use common::{kvm_available, tine, Home, TempDir};
 
 fn counter() -> String {
     guests::counter_path().display().to_string()
@@ -130,4 +130,42 @@ fn test_vsock_socket_in_use_is_a_clear_error() {
 fn test_vcpu_count_out_of_range_is_refused() {
     let out = vmm(&["--kernel", &counter(), "--vcpus", "9"]);
     assert_one_line_error(&out, "vcpus");
+}
+
+/// A name that would make a socket path longer than a Unix socket allows
+/// (107 bytes) is refused before anything is made, naming the fix; the
+/// VMM used to fail at its start with a message about SUN_LEN and leave
+/// a stopped vm.
+#[test]
+fn test_names_too_long_for_a_socket_path_are_refused_up_front() {
+    if !kvm_available() {
+        return;
+    }
+    // A test home is about 60 bytes long: a 48-byte name cannot fit.
+    let h = Home::new("sockpath");
+    let long = "n".repeat(48);
+    let run = |name: &str| {
+        h.out(&[
+            "run",
+            "--name",
+            name,
+            "--image",
+            "micro-counter",
+            "--mem",
+            "64M",
+        ])
+    };
+    assert_one_line_error(&run(&long), "shorter TINE_HOME");
+    assert!(run("a").status.success());
+    assert_one_line_error(&h.out(&["fork", "a", "--names", &long]), "shorter name");
+    let tag = "t".repeat(48);
+    assert_one_line_error(
+        &h.out(&["checkpoint", "a", "--tag", &tag]),
+        "longer than the 107",
+    );
+    let ls = h.ok(&["ls"]);
+    assert!(!ls.contains(&long) && !ls.contains(&tag), "{ls}");
+    h.ok(&["fork", "a", "--names", "b"]);
+    h.ok(&["rm", "--force", "a"]);
+    h.ok(&["rm", "--force", "b"]);
 }

@@ -232,6 +232,9 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     };
     // Children are in their parent's tree: its VMM's jail shows them.
     let dirs: Vec<VmDir> = names.iter().map(|n| vm.sibling(n)).collect();
+    for d in &dirs {
+        d.check_socket_paths()?;
+    }
     crate::providers::check(&h.home, &contract)?;
     let rotated = names
         .iter()
@@ -578,6 +581,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
     };
     state::validate_name(&tag).context("invalid checkpoint tag")?;
     let (record, socket) = checkpoint_paths(&vm, &tag);
+    state::check_socket_path(&socket, &format!("checkpoint {tag:?}"))?;
     if let Ok(old) = read_checkpoint(&record) {
         if crate::proc::process_alive(old.pid, old.pid_start) {
             return Err(Error::conflict(format!(

@@ -375,6 +375,11 @@ impl VmDir {
     pub fn exists(&self) -> bool {
         self.record_path().is_file()
     }
+    /// Whether the sockets the vm's VMM binds fit in a socket path (the
+    /// console's is the longest name).
+    pub fn check_socket_paths(&self) -> crate::Result<()> {
+        check_socket_path(&self.console_socket(), &format!("vm {:?}", self.name))
+    }
     /// The vm's fork contract (TOML); absent means the default contract.
     pub fn contract_path(&self) -> PathBuf {
         self.dir.join("contract.toml")
@@ -466,6 +471,24 @@ impl VmDir {
             VmState::Crashed
         }
     }
+}
+
+/// The longest path a Unix socket can be bound at (`sun_path` holds 108
+/// bytes with the closing NUL).
+const SOCKET_PATH_MAX: usize = 107;
+
+/// Refuses a socket path too long to bind, before anything is made: the
+/// VMM would otherwise fail at its start (or a checkpoint at its fork)
+/// with a message about SUN_LEN.
+pub fn check_socket_path(path: &Path, what: &str) -> crate::Result<()> {
+    let n = path.as_os_str().len();
+    if n > SOCKET_PATH_MAX {
+        return Err(crate::Error::invalid(format!(
+            "{what} needs the socket {} ({n} bytes), longer than the {SOCKET_PATH_MAX} a Unix socket path may have: use a shorter name, or a shorter TINE_HOME",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Writes a file by rename, so readers never see half of it.
