@@ -269,6 +269,9 @@ pub fn rm_everything_leaves_no_process(h: &Home, what: &str) {
         ("store/staging", entries(&root.join("store/staging"))),
         ("store/wake", entries(&root.join("store/wake"))),
         ("layers", entries(&root.join("layers"))),
+        // Trees: every vm directory and frozen layer gone, so their
+        // directories too.
+        ("t", entries(&root.join("t"))),
     ] {
         // What each leftover holds says who made it.
         let inside: Vec<String> = left
