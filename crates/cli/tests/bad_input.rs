@@ -156,6 +156,8 @@ fn test_names_too_long_for_a_socket_path_are_refused_up_front() {
         ])
     };
     assert_one_line_error(&run(&long), "shorter TINE_HOME");
+    let trees = std::fs::read_dir(h.0.path().join("t")).map_or(0, |d| d.count());
+    assert_eq!(trees, 0, "a refused run made a tree directory");
     assert!(run("a").status.success());
     assert_one_line_error(&h.out(&["fork", "a", "--names", &long]), "shorter name");
     let tag = "t".repeat(48);

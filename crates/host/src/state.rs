@@ -222,14 +222,15 @@ impl VmDir {
             crate::wake::random_bytes(&mut id)?;
             let id: String = id.iter().map(|b| format!("{b:02x}")).collect();
             let tree = trees.join(&id);
+            let vm = Self {
+                name: name.to_string(),
+                dir: tree.join(name),
+                link: vms_dir(home).join(name),
+            };
+            // Before anything is made (every id has the same length).
+            vm.check_socket_paths()?;
             match std::fs::create_dir(&tree) {
-                Ok(()) => {
-                    return Ok(Self {
-                        name: name.to_string(),
-                        dir: tree.join(name),
-                        link: vms_dir(home).join(name),
-                    })
-                }
+                Ok(()) => return Ok(vm),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => {
                     return Err(

@@ -364,7 +364,6 @@ pub(crate) fn start_reserved(h: &Host, spec: RunSpec) -> crate::Result<RunReport
     }
     // A new VMM process tree: a directory of its own.
     let vm = VmDir::new_tree(&h.home, &spec.name)?;
-    vm.check_socket_paths()?;
     let mut intent = Intent::begin(
         &h.home,
         Op::Run {
