@@ -15,7 +15,7 @@ use std::process::Command;
 /// Essential (always installed) Debian tools the code may spawn without a
 /// table row: dash's sh, bash, coreutils.
 const ESSENTIAL: &[&str] = &[
-    "sh", "dash", "bash", "true", "false", "chmod", "cat", "sleep",
+    "sh", "dash", "bash", "true", "false", "chmod", "cat",
 ];
 
 fn root() -> PathBuf {
