@@ -130,8 +130,11 @@ pub fn vms_dir(home: &Path) -> PathBuf {
 
 /// The directory of all trees.
 pub fn trees_dir(home: &Path) -> PathBuf {
-    home.join("t")
+    home.join(TREES)
 }
+
+/// `trees_dir`'s name in the home (short: socket paths run through it).
+const TREES: &str = "t";
 
 /// A tree's frozen layers, beside its vms' directories (a vm name never
 /// starts with a dot).
@@ -164,7 +167,7 @@ fn follow(home: &Path, link: &Path, name: &str) -> Option<PathBuf> {
     let to = std::fs::read_link(link).ok()?;
     let mut parts = to.components().map(|c| c.as_os_str().to_str());
     let ok = parts.next() == Some(Some(".."))
-        && parts.next() == Some(Some("t"))
+        && parts.next() == Some(Some(TREES))
         && parts.next().flatten().is_some_and(is_tree_id)
         && parts.next() == Some(Some(name))
         && parts.next().is_none();
@@ -259,6 +262,14 @@ impl VmDir {
         }
     }
 
+    /// `$TINE_HOME`: the link is `HOME/vms/NAME`.
+    fn home(&self) -> &Path {
+        self.link
+            .parent()
+            .and_then(Path::parent)
+            .unwrap_or(Path::new("/"))
+    }
+
     /// The directory of this vm's tree (`t/TREE`): all a jailed VMM of
     /// the tree sees of the home's vms and layers. `None` for a vm from
     /// before trees.
@@ -274,11 +285,7 @@ impl VmDir {
     pub fn layers_dir(&self) -> PathBuf {
         match self.tree() {
             Some(t) => t.join(TREE_LAYERS),
-            None => self
-                .link
-                .parent()
-                .and_then(Path::parent)
-                .map_or_else(|| PathBuf::from("layers"), layers_dir),
+            None => layers_dir(self.home()),
         }
     }
 
@@ -288,21 +295,12 @@ impl VmDir {
         self.remove_dir()?;
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("cannot create {}", self.dir.display()))?;
-        if self.dir != self.link {
-            let rel = Path::new("..").join(
-                self.dir
-                    .strip_prefix(
-                        self.link
-                            .parent()
-                            .and_then(Path::parent)
-                            .unwrap_or(&self.dir),
-                    )
-                    .unwrap_or(&self.dir),
-            );
-            if let Some(vms) = self.link.parent() {
-                std::fs::create_dir_all(vms)
-                    .with_context(|| format!("cannot create {}", vms.display()))?;
-            }
+        if let Some(id) = self.tree().and_then(Path::file_name) {
+            // Relative (`../t/TREE/NAME`): a home moved elsewhere keeps working.
+            let rel = Path::new("..").join(TREES).join(id).join(&self.name);
+            let vms = vms_dir(self.home());
+            std::fs::create_dir_all(&vms)
+                .with_context(|| format!("cannot create {}", vms.display()))?;
             std::os::unix::fs::symlink(&rel, &self.link)
                 .with_context(|| format!("cannot link {}", self.link.display()))?;
         }
@@ -313,8 +311,7 @@ impl VmDir {
     /// now (a vm of this name made before, in another tree) as well as
     /// this one's directory. Nothing there is not an error.
     pub fn remove_dir(&self) -> crate::Result<()> {
-        let home = self.link.parent().and_then(Path::parent);
-        let now = home.and_then(|h| follow(h, &self.link, &self.name));
+        let now = follow(self.home(), &self.link, &self.name);
         for d in now.iter().chain(std::iter::once(&self.dir)) {
             if *d == self.link {
                 continue;

@@ -14,9 +14,7 @@ use std::process::Command;
 
 /// Essential (always installed) Debian tools the code may spawn without a
 /// table row: dash's sh, bash, coreutils.
-const ESSENTIAL: &[&str] = &[
-    "sh", "dash", "bash", "true", "false", "chmod", "cat",
-];
+const ESSENTIAL: &[&str] = &["sh", "dash", "bash", "true", "false", "chmod", "cat"];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
