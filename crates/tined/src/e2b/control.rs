@@ -92,8 +92,46 @@ fn record(s: &Shared, id: &str) -> E2bResult<Sandbox> {
     s.e2b.sandbox(id).ok_or_else(|| not_found(id))
 }
 
-/// Where sandbox `id` is, from the engine.
+/// How long a request waits for another one's change to a sandbox (a
+/// pause, a wake, a removal) before it answers from wherever it stands.
+const SETTLE_MAX: Duration = Duration::from_secs(300);
+
+/// Waits while `id` is held by a change in flight: between a pause's
+/// start and its end the vm is neither running nor sleeping, and a
+/// reader must not answer 404 for a sandbox that is on its way.
+async fn settle(s: &Shared, id: &str) {
+    let t0 = std::time::Instant::now();
+    while s.e2b.is_busy(id) && t0.elapsed() < SETTLE_MAX {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Holds `id` for a change of this request's own, once no other change
+/// holds it (after SETTLE_MAX: 409, try again).
+async fn hold<'a>(s: &'a Shared, id: &str) -> E2bResult<super::records::Held<'a>> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(h) = s.e2b.hold(id) {
+            return Ok(h);
+        }
+        if t0.elapsed() >= SETTLE_MAX {
+            return Err(E2bError(
+                StatusCode::CONFLICT,
+                format!("sandbox {id:?} is being changed by another request; try again"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Where sandbox `id` is once no change to it is in flight.
 async fn where_is(s: &Shared, id: &str) -> E2bResult<Place> {
+    settle(s, id).await;
+    place_now(s, id).await
+}
+
+/// Where sandbox `id` is now, from the engine (for a request that holds it).
+async fn place_now(s: &Shared, id: &str) -> E2bResult<Place> {
     let st = s.clone();
     let id = id.to_string();
     Ok(blocking(move || Ok(place(&st.host, &id))).await?)
@@ -451,9 +489,10 @@ pub async fn detail(State(s): State<Shared>, Path(id): Path<String>) -> E2bResul
     }
 }
 
-/// Removes a sandbox wherever it is (kill, and a timeout's kill).
+/// Removes a sandbox wherever it is (kill, and a timeout's kill); the
+/// caller holds `id`.
 async fn remove(s: &Shared, id: &str) -> E2bResult<()> {
-    let res = match where_is(s, id).await? {
+    let res = match place_now(s, id).await? {
         Place::Running | Place::Ended(_) => {
             let q = Query(crate::app::ForceQuery { force: true });
             crate::app::remove_vm(State(s.clone()), Path(id.to_string()), q)
@@ -475,6 +514,7 @@ async fn remove(s: &Shared, id: &str) -> E2bResult<()> {
 }
 
 pub async fn kill(State(s): State<Shared>, Path(id): Path<String>) -> E2bResult<StatusCode> {
+    let _held = hold(&s, &id).await?;
     remove(&s, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -507,7 +547,8 @@ pub async fn pause(
             "filesystem-only pauses (memory false): a pause keeps the memory",
         ));
     }
-    match where_is(&s, &id).await? {
+    let _held = hold(&s, &id).await?;
+    match place_now(&s, &id).await? {
         Place::Running => {}
         Place::Paused => {
             return Err(E2bError(
@@ -521,8 +562,19 @@ pub async fn pause(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Wakes a paused sandbox and gives it `timeout_s` from now.
-pub(super) async fn wake(s: &Shared, id: &str, timeout_s: u64) -> E2bResult<()> {
+/// Wakes sandbox `id` if it is paused (envd's automatic resume); a
+/// concurrent pause or wake is waited for, so two requests wake it once.
+pub(super) async fn wake_if_paused(s: &Shared, id: &str, timeout_s: u64) -> E2bResult<()> {
+    let _held = hold(s, id).await?;
+    if place_now(s, id).await? == Place::Paused {
+        wake(s, id, timeout_s).await?;
+    }
+    Ok(())
+}
+
+/// Wakes a paused sandbox and gives it `timeout_s` from now; the caller
+/// holds `id`.
+async fn wake(s: &Shared, id: &str, timeout_s: u64) -> E2bResult<()> {
     let op = answer(
         crate::app::wake_branch(
             State(s.clone()),
@@ -562,7 +614,8 @@ pub async fn connect(
     }
     let timeout_s = lifetime(req.timeout, DEFAULT_TIMEOUT_S)?;
     let r = record(&s, &id)?;
-    let status = match where_is(&s, &id).await? {
+    let _held = hold(&s, &id).await?;
+    let status = match place_now(&s, &id).await? {
         Place::Running => {
             set_end(&s, &id, |r| {
                 r.end_ms = r.end_ms.max(now_ms() + timeout_s * 1000)
@@ -587,7 +640,8 @@ pub async fn resume(
     let req = body.map(|b| b.0).unwrap_or_default();
     let timeout_s = lifetime(req.timeout, DEFAULT_TIMEOUT_S)?;
     let r = record(&s, &id)?;
-    match where_is(&s, &id).await? {
+    let _held = hold(&s, &id).await?;
+    match place_now(&s, &id).await? {
         Place::Paused => {}
         Place::Running => {
             return Err(E2bError(
@@ -955,7 +1009,7 @@ pub async fn expire(s: Shared) {
             let Some(_held) = s.e2b.hold(&r.id) else {
                 continue;
             };
-            match where_is(&s, &r.id).await {
+            match place_now(&s, &r.id).await {
                 Ok(Place::Running) => {}
                 _ => continue,
             }

@@ -53,16 +53,11 @@ async fn target(s: &Shared, headers: &HeaderMap) -> Result<Target, RpcError> {
         })?;
     let record = s.e2b.sandbox(&id);
     if let Some(r) = record.as_ref().filter(|r| r.auto_resume) {
-        let st = s.clone();
-        let i = id.clone();
-        let p = blocking(move || Ok(place(&st.host, &i))).await?;
-        if p == Place::Paused {
-            super::control::wake(s, &id, r.timeout_s)
-                .await
-                .map_err(|E2bError(_, m)| {
-                    not_running(&id, &format!("its automatic resume failed: {m}"))
-                })?;
-        }
+        super::control::wake_if_paused(s, &id, r.timeout_s)
+            .await
+            .map_err(|E2bError(_, m)| {
+                not_running(&id, &format!("its automatic resume failed: {m}"))
+            })?;
     }
     Ok(Target {
         id,
