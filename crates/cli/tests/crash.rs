@@ -681,6 +681,7 @@ fn test_tined_killed_in_the_middle_of_fork_sleep_and_wake() {
         ("fork:prepared", "fork", After::RunsOn),
         ("fork:answered", "fork", After::RunsOn),
         ("fork:recorded", "fork", After::RunsOn),
+        ("fork:done", "fork", After::RunsOn),
         ("checkpoint:answered", "checkpoint", After::RunsOn),
         ("rollback:killed", "rollback", After::CheckpointLeft),
         ("snapshot:answered", "snapshot", After::SnapshotWhole),
@@ -771,6 +772,18 @@ fn test_tined_killed_in_the_middle_of_fork_sleep_and_wake() {
                     children.is_empty() || children.len() == 3,
                     "{what}: {children:?}"
                 );
+                assert!(
+                    point != "fork:done" || children.len() == 3,
+                    "{what}: a finished fork keeps its children: {children:?}"
+                );
+                // Each child in its own group (a move that tined's death
+                // cut short is made by reconcile).
+                for c in &children {
+                    let row = rows.iter().find(|r| name_of(r) == *c).expect("a row");
+                    let pid = row["pid"].as_u64().expect("a pid") as u32;
+                    let g = procs::pids_group(pid);
+                    assert!(g.ends_with(c), "{what}: {c} runs in {}", g.display());
+                }
                 let mut asks = vec![("v", "sum 1".to_string())];
                 asks.extend(children.iter().map(|c| (*c, "sum 1".to_string())));
                 for got in ask_all(h, &asks, "SUM") {

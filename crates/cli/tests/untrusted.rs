@@ -10,6 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::procs::pids_group;
 use common::{kvm_available, Home, TempDir};
 
 fn console(h: &Home, vm: &str) -> String {
@@ -443,24 +444,6 @@ fn status_field(pid: u32, field: &str) -> String {
         .to_string()
 }
 
-/// The directory of the group that counts `pid`'s processes (the pids
-/// controller's: v1 on this machine, v2 in the nested test host).
-fn pids_group(pid: u32) -> std::path::PathBuf {
-    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
-    for l in cg.lines() {
-        let mut f = l.splitn(3, ':');
-        let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
-        if ctrl.split(',').any(|c| c == "pids") {
-            return Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'));
-        }
-    }
-    let path = cg
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .expect("a cgroup v2 line");
-    Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
-}
-
 fn pid_of(h: &Home, vm: &str) -> u32 {
     h.ls()
         .iter()
@@ -598,8 +581,16 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
             assert!(p.exists(), "no {what} in the home");
             assert!(!seen(&p).exists(), "{vm}'s VMM sees $TINE_HOME/{what}");
         }
-        // Its own group (a child left its parent's), with the vm's limits.
-        let group = pids_group(pid);
+        // Its own group (a child leaves its parent's just after the fork
+        // answered), with the vm's limits.
+        let t0 = Instant::now();
+        let group = loop {
+            let g = pids_group(pid);
+            if g.ends_with(vm) || t0.elapsed() > Duration::from_secs(10) {
+                break g;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
         assert!(group.ends_with(vm), "{vm} runs in {}", group.display());
         let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
         assert_eq!(max.trim(), "1024", "{vm}");

@@ -204,6 +204,52 @@ pub fn enter(dirs: &[PathBuf], pid: u32) -> crate::Result<()> {
     Ok(())
 }
 
+/// Moves each process `(dirs, pid, start)` into its group from a thread
+/// of its own, after the caller has answered. Why not at once: the first
+/// migration after a quiet moment waits for an RCU grace period (6-12 ms
+/// measured on this host's v1 hierarchies: the kernel's threadgroup lock
+/// leaves its fast mode), which a fork's answer would otherwise wait for.
+/// A process that is gone, or whose pid now names another process, is
+/// skipped; one that tined's death leaves unmoved is moved by reconcile
+/// ([`adopt`]). Until then a child is in its parent's group, whose
+/// limits hold it.
+pub fn enter_soon(moves: Vec<(Vec<PathBuf>, u32, u64)>) {
+    if moves.iter().all(|(d, _, _)| d.is_empty()) {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("cgroup-move".into())
+        .spawn(move || {
+            for (dirs, pid, start) in moves {
+                if !crate::proc::process_alive(pid, start) {
+                    continue;
+                }
+                if let Err(e) = enter(&dirs, pid) {
+                    tracing::warn!("cannot move process {pid} into its group: {e}");
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the thread that moves processes into their groups: {e}");
+    }
+}
+
+/// Moves `pid` into vm `name`'s group if it exists and does not hold
+/// `pid` yet (reconcile: a move that tined's death cut short).
+pub fn adopt(home: &Path, name: &str, pid: u32) -> crate::Result<()> {
+    let dirs: Vec<PathBuf> = dirs_of(home, name)
+        .into_iter()
+        .filter(|d| d.is_dir())
+        .collect();
+    for d in dirs {
+        let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+        if !procs.lines().any(|l| l.trim() == pid.to_string()) {
+            enter(std::slice::from_ref(&d), pid)?;
+        }
+    }
+    Ok(())
+}
+
 /// vm `name`'s group directories (whether or not they exist).
 fn dirs_of(home: &Path, name: &str) -> Vec<PathBuf> {
     let parent = home_group(home);

@@ -318,7 +318,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         }
     }
     // Each child's own cgroup, made now (a failure pauses nothing); the
-    // child is moved into it as soon as its pid is known. (The jailed
+    // child is moved into it once the fork has answered. (The jailed
     // VMM sees no cgroup filesystem, so it cannot change its limits.)
     let groups: crate::Result<Vec<Vec<PathBuf>>> = dirs
         .iter()
@@ -396,11 +396,6 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let reply = call.reply.clone();
     crate::fault::point("fork:answered");
     let mut problems = Vec::new();
-    for (group, &pid) in groups.iter().zip(&reply.children) {
-        if let Err(e) = crate::cgroup::enter(group, pid) {
-            problems.push(e.to_string());
-        }
-    }
     for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
         rec.pid = pid;
         rec.pid_start = crate::proc::process_start(pid).unwrap_or(0);
@@ -458,6 +453,15 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         }
     }
     intent.done();
+    crate::fault::point("fork:done");
+    // Each child into its own group, off the answer's path (see enter_soon).
+    crate::cgroup::enter_soon(
+        groups
+            .into_iter()
+            .zip(&recs)
+            .map(|(g, rec)| (g, rec.pid, rec.pid_start))
+            .collect(),
+    );
     let wake_ms = woken.iter().map(|w| w.wake_ms).fold(0.0f64, f64::max);
     Ok(ForkReport {
         name: name.into(),

@@ -340,3 +340,21 @@ pub fn disk_use(dir: &Path) -> u64 {
     }
     total
 }
+
+/// The directory of the group that counts `pid`'s processes (the pids
+/// controller's: v1 on this machine, v2 in the nested test host).
+pub fn pids_group(pid: u32) -> PathBuf {
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    for l in cg.lines() {
+        let mut f = l.splitn(3, ':');
+        let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        if ctrl.split(',').any(|c| c == "pids") {
+            return Path::new("/sys/fs/cgroup/pids").join(path.trim_start_matches('/'));
+        }
+    }
+    let path = cg
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .expect("a cgroup v2 line");
+    Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/'))
+}
