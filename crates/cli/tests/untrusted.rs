@@ -518,7 +518,7 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         );
         // Its own mount, network, IPC and UTS namespaces (no tap: no
         // network at all), and a root without the host's files.
-        for ns in ["mnt", "net", "ipc", "uts"] {
+        for ns in ["mnt", "net", "ipc", "uts", "pid"] {
             let theirs = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).expect("ns");
             let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).expect("ns");
             assert_ne!(theirs, ours, "{vm} shares the host's {ns} namespace");
@@ -595,8 +595,32 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
         assert_eq!(max.trim(), "1024", "{vm}");
     }
-    // A fork child keeps its tree's uid; another tree has its own.
+    // A fork child keeps its tree's uid and PID namespace; another tree
+    // has its own of both. In it, pid 1 is the tree's init, whose parent
+    // is outside (no VMM is the init: a child outlives its parent).
     assert_eq!(status_field(a, "Uid"), status_field(b, "Uid"));
+    let pid_ns = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).expect("ns");
+    assert_eq!(pid_ns(a), pid_ns(b));
+    assert_ne!(pid_ns(a), pid_ns(pid_of(&h, "other")));
+    for pid in [a, b] {
+        let nspid = status_field(pid, "NSpid");
+        let inner: u32 = nspid
+            .split_whitespace()
+            .last()
+            .and_then(|p| p.parse().ok())
+            .expect("NSpid");
+        assert!(inner > 1, "a VMM is its namespace's pid {inner}");
+    }
+    let other = pid_of(&h, "other");
+    let ppid: u32 = status_field(other, "PPid").parse().expect("PPid");
+    let comm = std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
+    assert_eq!(comm.trim(), "tine-init", "the parent of a tree's first VMM");
+    assert_eq!(
+        status_field(ppid, "NSpid").split_whitespace().last(),
+        Some("1"),
+        "the tree's init is its namespace's pid 1"
+    );
+    assert_eq!(pid_ns(other), pid_ns(ppid));
     assert_ne!(
         status_field(a, "Uid"),
         status_field(pid_of(&h, "other"), "Uid")

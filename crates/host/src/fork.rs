@@ -82,11 +82,15 @@ fn call_with_fds(
     Ok(call)
 }
 
-/// Points the vm's record at the process it continues in.
-fn moved(vm: &VmDir, r: &mut VmRecord, pid: u32) -> crate::Result<()> {
-    r.pid = pid;
-    r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
-    vm.write_record(r)
+/// Points the vm's record at the process it continues in (the one that
+/// listens on its control socket now: the pid the VMM reports is one of
+/// its tree's PID namespace); returns that process's pid.
+fn moved(vm: &VmDir, r: &mut VmRecord) -> crate::Result<u32> {
+    let p = crate::proc::Pid::listening_on(&vm.api_socket())?;
+    r.pid = p.pid;
+    r.pid_start = p.start;
+    vm.write_record(r)?;
+    Ok(p.pid)
 }
 
 /// What to fork into (`tine fork`, `POST /v1/vms/{name}/fork`).
@@ -393,17 +397,24 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
             return Err(e.context(format!("cannot fork {name:?}")));
         }
     };
-    let reply = call.reply.clone();
+    let mut reply = call.reply.clone();
     crate::fault::point("fork:answered");
     let mut problems = Vec::new();
-    for ((d, rec), &pid) in dirs.iter().zip(recs.iter_mut()).zip(&reply.children) {
-        rec.pid = pid;
-        rec.pid_start = crate::proc::process_start(pid).unwrap_or(0);
+    // The pids in the reply are of the tree's PID namespace: each child
+    // is the process listening on its control socket.
+    let started = reply.children.len().min(dirs.len());
+    reply.children.clear();
+    for (d, rec) in dirs.iter().zip(recs.iter_mut()).take(started) {
+        let p = crate::proc::Pid::listening_on(&d.api_socket())?;
+        rec.pid = p.pid;
+        rec.pid_start = p.start;
         d.write_record(rec)?;
+        reply.children.push(p.pid);
     }
-    if let Some(pid) = reply.continuation_pid {
-        moved(&vm, &mut r, pid)?;
+    if reply.continuation_pid.is_some() {
+        reply.continuation_pid = Some(moved(&vm, &mut r)?);
     }
+    reply.pid = r.pid;
     intent.phase(Phase::Recorded)?;
     crate::fault::point("fork:recorded");
     drop(spawning);
@@ -632,16 +643,20 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
             return Err(e.context(format!("cannot checkpoint {name:?}")));
         }
     };
-    let reply = call.reply.clone();
+    let mut reply = call.reply.clone();
     crate::fault::point("checkpoint:answered");
-    if let Some(pid) = reply.continuation_pid {
-        moved(&vm, &mut r, pid)?;
+    reply.pid = r.pid;
+    if reply.continuation_pid.is_some() {
+        reply.continuation_pid = Some(moved(&vm, &mut r)?);
     }
-    if let Some(pid) = reply.template_pid {
+    if reply.template_pid.is_some() {
+        // The template listens on the checkpoint's socket.
+        let t = crate::proc::Pid::listening_on(&crate::checkpoints::checkpoint_paths(&vm, &tag).1)?;
+        reply.template_pid = Some(t.pid);
         let rec = CheckpointRecord {
             tag: tag.clone(),
-            pid,
-            pid_start: crate::proc::process_start(pid).unwrap_or(0),
+            pid: t.pid,
+            pid_start: t.start,
             created_ms: state::now_ms(),
             moment: moment.id.clone(),
             branch: r.branch.clone(),
@@ -760,7 +775,7 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
             return Err(e.context(format!("cannot roll {name:?} back to {tag:?}")));
         }
     };
-    let reply = call.reply.clone();
+    let mut reply = call.reply.clone();
     // A new branch continues from the checkpoint's moment.
     if !cp.moment.is_empty() {
         r.branch = gateway::new_id()?;
@@ -771,8 +786,9 @@ pub fn rollback(h: &Host, name: &str, tag: &str) -> crate::Result<MomentReport> 
             kind: MomentKind::Checkpoint,
         });
     }
-    if let Some(pid) = reply.continuation_pid {
-        moved(&vm, &mut r, pid)?;
+    reply.pid = cp.pid;
+    if reply.continuation_pid.is_some() {
+        reply.continuation_pid = Some(moved(&vm, &mut r)?);
     }
     intent.phase(Phase::Recorded)?;
     drop(spawning);
@@ -897,10 +913,11 @@ pub fn snapshot(h: &Host, name: &str, to: &Path) -> crate::Result<MomentReport> 
             return Err(e.context(format!("cannot snapshot {name:?}")));
         }
     };
-    let reply = call.reply.clone();
+    let mut reply = call.reply.clone();
     crate::fault::point("snapshot:answered");
-    if let Some(pid) = reply.continuation_pid {
-        moved(&vm, &mut r, pid)?;
+    reply.pid = r.pid;
+    if reply.continuation_pid.is_some() {
+        reply.continuation_pid = Some(moved(&vm, &mut r)?);
     }
     gateway::write_snapshot_lineage(&dir, &r, &moment)?;
     crate::layers::register_snapshot_dir(h, &dir)?;

@@ -114,19 +114,30 @@ pub fn try_acquire(home: &Path, key: &str) -> crate::Result<Option<Lock>> {
     }))
 }
 
+/// How long a name's lock may be held by someone else before a reserve
+/// calls it a conflict: tined's note of a VMM's exit takes a vm's lock
+/// for an instant (after `rm`, a new vm of the same name must not be
+/// refused for that).
+const RESERVE_GRACE: Duration = Duration::from_millis(100);
+
 /// The locks of names a new vm (or several, a fork's children) will take:
 /// refused as a conflict when one of them is being created or changed
 /// right now.
 pub fn reserve(home: &Path, names: &[String]) -> crate::Result<Vec<Lock>> {
     let mut held = Vec::with_capacity(names.len());
     for n in names {
-        match try_acquire(home, n)? {
-            Some(l) => held.push(l),
-            None => {
+        let deadline = Instant::now() + RESERVE_GRACE;
+        loop {
+            if let Some(l) = try_acquire(home, n)? {
+                held.push(l);
+                break;
+            }
+            if Instant::now() >= deadline {
                 return Err(crate::Error::conflict(format!(
                     "the name {n:?} is being used by another operation right now; choose another"
-                )))
+                )));
             }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
     Ok(held)

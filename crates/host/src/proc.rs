@@ -122,6 +122,50 @@ impl Reaper {
         Ok(())
     }
 
+    /// Hears the wait statuses that the inits of VMM process trees reap
+    /// (`vmm::jail::REAPED_SOCKET` in `home`; a tree's orphans go to its
+    /// PID namespace's init, not to this subreaper) and hands each to
+    /// `on_exit` as if reaped here. A report of a process that still runs
+    /// is dropped.
+    pub fn serve_reports(home: &std::path::Path) -> crate::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let Some(reaper) = REAPER.get().cloned() else {
+            return Err(crate::Error::internal("no reaper to report to"));
+        };
+        let path = home.join(vmm::jail::REAPED_SOCKET);
+        let _ = std::fs::remove_file(&path);
+        let sock = std::os::unix::net::UnixDatagram::bind(&path)
+            .map_err(|e| crate::Error::from(e).context(format!("cannot bind {}", path.display())))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| crate::Error::from(e).context(format!("cannot chmod {}", path.display())))?;
+        std::thread::Builder::new()
+            .name("tree-reports".into())
+            .spawn(move || {
+                let mut buf = [0u8; 64];
+                loop {
+                    let Ok(n) = sock.recv(&mut buf) else {
+                        continue;
+                    };
+                    let text = String::from_utf8_lossy(&buf[..n]);
+                    let mut f = text.split_whitespace();
+                    let (Some(Ok(pid)), Some(Ok(raw))) = (
+                        f.next().map(str::parse::<u32>),
+                        f.next().map(str::parse::<i32>),
+                    ) else {
+                        tracing::warn!("a bad report on {}: {text:?}", path.display());
+                        continue;
+                    };
+                    if ProcStat::read(pid).is_some_and(|s| !s.is_exited()) {
+                        continue;
+                    }
+                    let st = <ExitStatus as std::os::unix::process::ExitStatusExt>::from_raw(raw);
+                    reaper.deliver(pid, st);
+                }
+            })
+            .map_err(|e| crate::Error::from(e).context("cannot start the tree reports thread"))?;
+        Ok(())
+    }
+
     /// Whether a reaper runs in this process.
     pub fn installed() -> bool {
         REAPER.get().is_some()
@@ -312,6 +356,41 @@ pub struct Pid {
 }
 
 impl Pid {
+    /// The process listening on Unix socket `path`, as this host sees it:
+    /// the kernel's peer credentials, which it translates into our PID
+    /// namespace. A VMM's own report of its pid is a pid in its tree's
+    /// namespace, and would name another process here (and a VMM is not
+    /// trusted to say who it is). Each process that serves a socket binds
+    /// and listens itself, so the credentials are its own.
+    pub fn listening_on(path: &std::path::Path) -> crate::Result<Pid> {
+        let s = std::os::unix::net::UnixStream::connect(path).map_err(|e| {
+            crate::Error::from(e).context(format!("cannot connect to {}", path.display()))
+        })?;
+        // SAFETY: ucred is plain data that getsockopt fills.
+        let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) with a buffer of `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 || cred.pid <= 0 {
+            return Err(crate::Error::from(std::io::Error::last_os_error())
+                .context(format!("cannot tell who listens on {}", path.display())));
+        }
+        Pid::of(cred.pid as u32).ok_or_else(|| {
+            crate::Error::failed(format!(
+                "the process listening on {} is gone",
+                path.display()
+            ))
+        })
+    }
+
     /// `pid` as it is now, if it exists.
     pub fn of(pid: u32) -> Option<Pid> {
         process_start(pid).map(|start| Pid { pid, start })
@@ -387,6 +466,21 @@ pub fn home_of(pid: u32) -> Option<std::path::PathBuf> {
     })
 }
 
+/// Whether `pid` is the pid 1 of a PID namespace below ours (a VMM
+/// tree's init, which runs `tine-vmm` but is no VMM). Its
+/// `/proc/PID/status` says so (NSpid's last field), which no process can
+/// change about itself.
+pub fn is_namespace_init(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|st| {
+        st.lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .is_some_and(|f| {
+                let f: Vec<&str> = f.split_whitespace().collect();
+                f.len() > 1 && f.last() == Some(&"1")
+            })
+    })
+}
+
 /// Every live VMM process of `home`: its executable is named `exe_name`
 /// (also after the binary was rebuilt under it, when /proc shows it
 /// "(deleted)") and its environment names `home` as TINE_HOME.
@@ -404,6 +498,7 @@ pub fn vmm_processes(exe_name: &str, home: &std::path::Path) -> Vec<Pid> {
             })
         })
         .filter(|pid| home_of(*pid).is_some_and(|h| h == home))
+        .filter(|pid| !is_namespace_init(*pid))
         .filter_map(|pid| {
             let st = ProcStat::read(pid)?;
             (!st.is_exited()).then_some(Pid {

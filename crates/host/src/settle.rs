@@ -33,10 +33,11 @@ pub fn settle_pid(vm: &VmDir) -> bool {
         return false;
     };
     match vmm::api::call(&vm.api_socket(), &vmm::api::Request::Ping, PING) {
-        Ok(c) => {
-            let pid = c.reply.pid;
-            if pid != 0 && pid != r.pid {
-                if let Some(p) = Pid::of(pid) {
+        Ok(_) => {
+            // Who answers, as this host sees it (the pid a VMM reports is
+            // one of its tree's PID namespace).
+            if let Ok(p) = Pid::listening_on(&vm.api_socket()) {
+                if p.pid != r.pid {
                     r.pid = p.pid;
                     r.pid_start = p.start;
                     let _ = vm.write_record(&r);

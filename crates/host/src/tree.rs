@@ -230,9 +230,12 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
         Ok(c) if c.reply.error.is_none() => {
             let reply = c.reply.clone();
             round.fault("answered");
-            if let Some(pid) = reply.continuation_pid {
-                r.pid = pid;
-                r.pid_start = crate::proc::process_start(pid).unwrap_or(0);
+            if reply.continuation_pid.is_some() {
+                // The process now listening on its control socket (the
+                // reply's pid is one of the tree's PID namespace).
+                let p = crate::proc::Pid::listening_on(&vm.api_socket())?;
+                r.pid = p.pid;
+                r.pid_start = p.start;
                 vm.write_record(&r)?;
             }
             intent.phase(Phase::Recorded)?;

@@ -406,13 +406,45 @@ fn launch(
         Some(m) => restore_command(h, vm, spec, m)?,
         None => boot_command(h, vm, spec, plan)?,
     };
+    // A tree's VMM runs in a PID namespace of its own.
+    let report = match vm.tree() {
+        Some(_) => Some(pid_report(&mut cmd)?),
+        None => None,
+    };
     let spawning = crate::settle::spawning();
     intent.phase(Phase::Asked)?;
     let mut child = cmd.spawn().context("cannot start the VMM")?;
     // The host's copy of a passed tap goes with the command: the tap
-    // lives exactly as long as the VMM holds it.
+    // lives exactly as long as the VMM holds it (and so does the write
+    // end of the report).
     drop(cmd);
-    let pid = child.id();
+    let pid = match report {
+        None => child.id(),
+        Some(r) => match read_pid_report(r, PID_REPORT_TIMEOUT) {
+            Ok(Some(p)) => {
+                // The process started here has forked the tree's init
+                // and ends now.
+                if !crate::proc::Reaper::installed() {
+                    let _ = child.wait();
+                }
+                p
+            }
+            // No namespace (TINE_JAIL=off, or unprivileged).
+            Ok(None) => child.id(),
+            Err(e) => {
+                let _ = child.kill();
+                if !crate::proc::Reaper::installed() {
+                    let _ = child.wait();
+                }
+                drop(spawning);
+                return Err(e.context(format!(
+                    "the VMM of {:?} did not start; see {}",
+                    spec.name,
+                    vm.vmm_log().display()
+                )));
+            }
+        },
+    };
     let record = VmRecord {
         name: spec.name.clone(),
         pid,
@@ -606,8 +638,32 @@ pub(crate) fn undo_start(h: &Host, vm: &VmDir) {
             net::release(&h.home, &l);
         }
     }
-    cgroup::remove(&h.home, &vm.name);
+    release_group(h, &vm.name);
     let _ = vm.remove_dir();
+}
+
+/// Ends vm `name`'s group and what is left in it ([`cgroup::remove`]),
+/// but first moves out the vms forked from it that are still in it: a
+/// fork child joins its own group just after the fork has answered
+/// (`cgroup::enter_soon`), so an `rm` of the parent right then finds it
+/// in the parent's group. Returns how many processes were ended.
+fn release_group(h: &Host, name: &str) -> usize {
+    let in_group = cgroup::pids(&h.home, name);
+    if !in_group.is_empty() {
+        for other in state::list(&h.home).unwrap_or_default() {
+            if other.name == name {
+                continue;
+            }
+            if let Ok(r) = other.read_record() {
+                if in_group.contains(&r.pid) {
+                    if let Err(e) = cgroup::adopt(&h.home, &other.name, r.pid) {
+                        tracing::warn!("{}: {e}", other.name);
+                    }
+                }
+            }
+        }
+    }
+    cgroup::remove(&h.home, name)
 }
 
 /// The `tine-vmm --from DIR` command line for a restore, with a top
@@ -741,6 +797,87 @@ fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<C
     // (fork children inherit it).
     cmd.env("TINE_HOME", &h.home);
     Ok(cmd)
+}
+
+/// How long a new VMM may take to report its pid from its namespace.
+const PID_REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Asks `tine-vmm` for a PID namespace of its own (`--pid-report FD`);
+/// returns the read end where its tree's init writes the VMM's host pid.
+/// The write end is the command's until it is dropped.
+fn pid_report(cmd: &mut Command) -> crate::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2(2) writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(Error::from(std::io::Error::last_os_error()).context("cannot make a pipe"));
+    }
+    // SAFETY: two fresh fds nobody else owns.
+    let (r, w) = unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    };
+    cmd.arg("--pid-report").arg(w.as_raw_fd().to_string());
+    // SAFETY: fcntl(2) is async-signal-safe; the closure owns `w`, open
+    // until the command is dropped.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(w.as_raw_fd(), libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(r)
+}
+
+/// The host pid a tree's init reported on `r`: None when the VMM runs
+/// without a namespace (the pipe closed empty), an error when nothing
+/// came within `timeout` or the init could not tell.
+fn read_pid_report(r: std::os::fd::OwnedFd, timeout: Duration) -> crate::Result<Option<u32>> {
+    use std::io::Read;
+    let deadline = Instant::now() + timeout;
+    let mut f = std::fs::File::from(r);
+    let mut text = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one pollfd that lives across the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(60_000) as i32) };
+        if n == 0 {
+            bail!("the VMM did not report its pid within {} s", timeout.as_secs());
+        }
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::from(e).context("cannot wait for the VMM's pid"));
+        }
+        let mut buf = [0u8; 32];
+        let got = f.read(&mut buf).context("cannot read the VMM's pid")?;
+        if got == 0 || text.len() > 64 {
+            break;
+        }
+        text.extend_from_slice(&buf[..got]);
+        if text.contains(&b'\n') {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    match text.trim().parse::<u32>() {
+        Ok(p) if p > 0 => Ok(Some(p)),
+        _ => bail!("the tree's init could not tell the VMM's pid ({:?})", text.trim()),
+    }
 }
 
 /// Opens (creates) the tap `name` here, in the host's network namespace,
@@ -1117,7 +1254,7 @@ pub(crate) fn remove_locked(h: &Host, vm: &VmDir, r: &VmRecord) -> crate::Result
     processes += crate::checkpoints::drop_checkpoints(vm);
     // Whatever the vm's processes left behind (a writer, a template the
     // records lost) ends with its group.
-    processes += cgroup::remove(&h.home, &vm.name);
+    processes += release_group(h, &vm.name);
     gateway::unregister(h, r);
     if let Some(l) = &r.lease {
         net::forget(&tap_name(&vm.name));

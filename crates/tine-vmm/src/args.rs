@@ -110,6 +110,10 @@ pub struct VmmArgs {
     /// whole (a vm from before trees).
     #[arg(long, hide = true)]
     pub(crate) tree: Option<PathBuf>,
+    /// Start the tree's PID namespace (`tree_init`) and write the VMM's
+    /// host pid to this inherited fd.
+    #[arg(long, hide = true)]
+    pub(crate) pid_report: Option<i32>,
     /// KVM device to open.
     #[arg(long, env = "TINE_KVM_DEVICE", default_value = "/dev/kvm")]
     pub(crate) kvm_device: PathBuf,
@@ -138,6 +142,33 @@ pub fn run(args: VmmArgs) -> anyhow::Result<ExitCode> {
     let (exit, reason) = process::serve(vmm, opts, || {}).context("vm failed")?;
     eprintln!("tine: guest {reason}");
     Ok(ExitCode::from(exit.exit_code() as u8))
+}
+
+/// With `--pid-report`: this process continues as the VMM of a new PID
+/// namespace (`tree_init`). Not with `TINE_JAIL=off`, where the VMM
+/// stays this process (tined then reads the report's end as no pid and
+/// keeps the one it started).
+pub fn enter_pid_namespace(args: &VmmArgs) -> anyhow::Result<()> {
+    let Some(fd) = args.pid_report else {
+        return Ok(());
+    };
+    if std::env::var("TINE_JAIL").as_deref() == Ok("off") {
+        // SAFETY: the fd the host passed for the report, closed unused.
+        unsafe {
+            libc::close(fd);
+        }
+        return Ok(());
+    }
+    if fd < 3 {
+        anyhow::bail!("--pid-report {fd}: not an inherited fd (3 or above)");
+    }
+    let tree = args
+        .tree
+        .as_deref()
+        .and_then(|t| t.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    crate::tree_init::enter(fd, &image::default_home()?, &tree)
 }
 
 /// Enters the VMM's jail (`TINE_JAIL=off` skips it: for debugging only).

@@ -7,6 +7,7 @@ mod args;
 mod jail;
 use vmm::size;
 mod store_source;
+mod tree_init;
 
 use std::process::ExitCode;
 
@@ -34,6 +35,11 @@ fn main() -> ExitCode {
         libc::umask(0o077);
     }
     let cli = Cli::parse();
+    // The tree's PID namespace first, while this process has one thread.
+    if let Err(e) = args::enter_pid_namespace(&cli.args) {
+        eprintln!("tine: {e:#}");
+        return ExitCode::FAILURE;
+    }
     if let Err(e) = seccomp_from_env() {
         eprintln!("tine: {e:#}");
         return ExitCode::FAILURE;

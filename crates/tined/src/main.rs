@@ -253,6 +253,9 @@ fn daemon(
                 });
         }
     })?;
+    // And what the inits of VMM process trees reap (each tree is a PID
+    // namespace whose orphans go to its own init).
+    host::proc::Reaper::serve_reports(&home)?;
     let report = host::reconcile::reconcile(&h)?;
     tracing::info!(
         home = %home.display(),

@@ -13,6 +13,11 @@
 
 use std::path::{Path, PathBuf};
 
+/// tined's datagram socket in `$TINE_HOME` where a tree's init (the pid 1
+/// of a VMM process tree's PID namespace) reports each wait status it
+/// reaps: `HOSTPID STATUS`, the status as waitpid(2) gave it.
+pub const REAPED_SOCKET: &str = "reaped.sock";
+
 use caps::{CapSet, Capability, CapsHashSet};
 
 /// The file descriptors a VMM may hold: its devices, disks, sockets,

@@ -19,15 +19,22 @@ pub fn set(name: &str, detail: Option<&str>) {
     set_cmdline(&args);
 }
 
+/// Names this process as the init of the VMM process tree `tree` (the
+/// pid 1 of its PID namespace, which is not a VMM): comm `tine-init`,
+/// command line `tine-init TREE`.
+pub fn set_tree_init(tree: &str) {
+    set_comm("tine-init");
+    set_cmdline(&["tine-init".to_string(), tree.to_string()]);
+}
+
 /// The thread-group leader's name: `/proc/self/comm` names it whatever
 /// thread writes (PR_SET_NAME would name only the calling thread).
 fn set_comm(comm: &str) {
-    let mut bytes: Vec<u8> = comm.bytes().filter(|&b| b != 0).take(15).collect();
+    let bytes: Vec<u8> = comm.bytes().filter(|&b| b != 0).take(15).collect();
     // A name cut inside a UTF-8 sequence is still valid for the kernel.
-    bytes.push(b'\n');
+    // (No newline: the kernel would keep it as part of the name.)
     if std::fs::write("/proc/self/comm", &bytes).is_err() {
         let mut c = bytes;
-        c.pop();
         c.push(0);
         // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most
         // 16 bytes from a live buffer.

@@ -892,6 +892,11 @@ pub fn vmm_processes(home: &Path) -> Vec<Vmm> {
             .replace('\0', " ")
             .trim()
             .to_string();
+        // A tree's init (its PID namespace's pid 1) runs tine-vmm but is
+        // not a VMM.
+        if title.starts_with("tine-init") {
+            continue;
+        }
         out.push(Vmm { pid, title });
     }
     out.sort_by_key(|v| v.pid);
