@@ -154,6 +154,34 @@ fn test_crashed_vmm_is_reported_and_cleaned() {
     assert!(e.contains("tine rm c"), "{e}");
     ok(&home, &["rm", "c"]);
     assert!(ls(&home).is_empty());
+
+    // The same for a fork child whose parent is gone: an orphan of its
+    // tree's PID namespace, reaped by the tree's init, which tells tined.
+    ok(&home, &run_args("p", "micro-counter"));
+    ok(&home, &["fork", "p", "--names", "q"]);
+    ok(&home, &["stop", "p"]);
+    ok(&home, &["rm", "p"]);
+    let pid = field(&ls(&home), "q", "pid").as_u64().expect("pid");
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !field(&ls(&home), "q", "exit")
+        .as_str()
+        .is_some_and(|e| e.contains(want))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "ls never said how the orphan's VMM ended: {:?}",
+            ls(&home)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(field(&ls(&home), "q", "state"), "crashed");
+    ok(&home, &["rm", "q"]);
+    assert!(ls(&home).is_empty());
 }
 
 #[test]

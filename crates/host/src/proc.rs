@@ -134,10 +134,12 @@ impl Reaper {
         };
         let path = home.join(vmm::jail::REAPED_SOCKET);
         let _ = std::fs::remove_file(&path);
-        let sock = std::os::unix::net::UnixDatagram::bind(&path)
-            .map_err(|e| crate::Error::from(e).context(format!("cannot bind {}", path.display())))?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| crate::Error::from(e).context(format!("cannot chmod {}", path.display())))?;
+        let sock = std::os::unix::net::UnixDatagram::bind(&path).map_err(|e| {
+            crate::Error::from(e).context(format!("cannot bind {}", path.display()))
+        })?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+            crate::Error::from(e).context(format!("cannot chmod {}", path.display()))
+        })?;
         std::thread::Builder::new()
             .name("tree-reports".into())
             .spawn(move || {

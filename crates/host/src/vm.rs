@@ -851,7 +851,10 @@ fn read_pid_report(r: std::os::fd::OwnedFd, timeout: Duration) -> crate::Result<
         // SAFETY: poll(2) on one pollfd that lives across the call.
         let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(60_000) as i32) };
         if n == 0 {
-            bail!("the VMM did not report its pid within {} s", timeout.as_secs());
+            bail!(
+                "the VMM did not report its pid within {} s",
+                timeout.as_secs()
+            );
         }
         if n < 0 {
             let e = std::io::Error::last_os_error();
@@ -876,7 +879,10 @@ fn read_pid_report(r: std::os::fd::OwnedFd, timeout: Duration) -> crate::Result<
     }
     match text.trim().parse::<u32>() {
         Ok(p) if p > 0 => Ok(Some(p)),
-        _ => bail!("the tree's init could not tell the VMM's pid ({:?})", text.trim()),
+        _ => bail!(
+            "the tree's init could not tell the VMM's pid ({:?})",
+            text.trim()
+        ),
     }
 }
 

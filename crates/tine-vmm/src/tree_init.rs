@@ -103,14 +103,7 @@ fn reap_forever(socket: &PathBuf) -> ! {
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // Looked at first (WNOWAIT), so its pidfd can still be opened.
         // SAFETY: waitid(2) with a valid siginfo_t out-pointer.
-        let r = unsafe {
-            libc::waitid(
-                libc::P_ALL,
-                0,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT,
-            )
-        };
+        let r = unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
         if r != 0 {
             match std::io::Error::last_os_error().raw_os_error() {
                 Some(libc::EINTR) => continue,
