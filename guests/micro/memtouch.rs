@@ -3,6 +3,9 @@
 //! * `touch <MiB> [seed]` writes the region, replies `TOUCHED <MiB> SUM <hex16>`
 //! * `sum <MiB>` replies `SUM <hex16>` without writing
 //! * `ping` replies `PONG`
+//! * `notick` stops the timer tick, replies `NOTICK`: from then on the
+//!   guest wakes only when a byte arrives (the VMM must raise the serial
+//!   IRQ, as tine's does), so a thousand idle copies cost no CPU
 //! * `reset` asks the i8042 to reset the CPU (the VMM then exits cleanly)
 //! * anything else replies `ERR <reason>`
 //!
@@ -68,6 +71,10 @@ fn command(line: &[u8]) {
     }
     match cmd {
         b"ping" if arg1.is_none() => rt::puts(b"PONG\n"),
+        b"notick" if arg1.is_none() => {
+            rt::stop_timer();
+            rt::puts(b"NOTICK\n");
+        }
         // 0xfe on the i8042 command port pulses the CPU reset line.
         b"reset" if arg1.is_none() => rt::outb(0x64, 0xfe),
         b"touch" => {
@@ -103,7 +110,7 @@ fn command(line: &[u8]) {
             rt::put_hex16(checksum(end));
             rt::puts(b"\n");
         }
-        _ => err(b"unknown command (touch <MiB> [seed] | sum <MiB> | ping | reset)"),
+        _ => err(b"unknown command (touch <MiB> [seed] | sum <MiB> | ping | notick | reset)"),
     }
 }
 
