@@ -776,13 +776,13 @@ fn test_tined_killed_in_the_middle_of_fork_sleep_and_wake() {
                     point != "fork:done" || children.len() == 3,
                     "{what}: a finished fork keeps its children: {children:?}"
                 );
-                // Each child in its own group (a move that tined's death
-                // cut short is made by reconcile).
+                // Each child in its tree's group, with its parent.
+                let group_of = |n: &str| {
+                    let row = rows.iter().find(|r| name_of(r) == n).expect("a row");
+                    procs::pids_group(row["pid"].as_u64().expect("a pid") as u32)
+                };
                 for c in &children {
-                    let row = rows.iter().find(|r| name_of(r) == *c).expect("a row");
-                    let pid = row["pid"].as_u64().expect("a pid") as u32;
-                    let g = procs::pids_group(pid);
-                    assert!(g.ends_with(c), "{what}: {c} runs in {}", g.display());
+                    assert_eq!(group_of(c), group_of("v"), "{what}: {c}'s group");
                 }
                 let mut asks = vec![("v", "sum 1".to_string())];
                 asks.extend(children.iter().map(|c| (*c, "sum 1".to_string())));

@@ -581,19 +581,18 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
             assert!(p.exists(), "no {what} in the home");
             assert!(!seen(&p).exists(), "{vm}'s VMM sees $TINE_HOME/{what}");
         }
-        // Its own group (a child leaves its parent's just after the fork
-        // answered), with the vm's limits.
-        let t0 = Instant::now();
-        let group = loop {
-            let g = pids_group(pid);
-            if g.ends_with(vm) || t0.elapsed() > Duration::from_secs(10) {
-                break g;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        assert!(group.ends_with(vm), "{vm} runs in {}", group.display());
+        // Its tree's group (a fork child is born in it), with the limits
+        // of the tree's two vms.
+        let group = pids_group(pid);
+        let tree = std::fs::canonicalize(h.0.path().join("vms").join(vm))
+            .expect("vm dir")
+            .parent()
+            .and_then(|t| t.file_name())
+            .map(|t| format!("_tree-{}", t.to_string_lossy()))
+            .expect("a tree");
+        assert!(group.ends_with(&tree), "{vm} runs in {}", group.display());
         let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
-        assert_eq!(max.trim(), "1024", "{vm}");
+        assert_eq!(max.trim(), "2048", "{vm}: two vms' worth");
     }
     // A fork child keeps its tree's uid and PID namespace; another tree
     // has its own of both. In it, pid 1 is the tree's init, whose parent
@@ -612,6 +611,7 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         assert!(inner > 1, "a VMM is its namespace's pid {inner}");
     }
     let other = pid_of(&h, "other");
+    let other_group = pids_group(other);
     let ppid: u32 = status_field(other, "PPid").parse().expect("PPid");
     let comm = std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
     assert_eq!(comm.trim(), "tine-init", "the parent of a tree's first VMM");
@@ -641,8 +641,11 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
     wait_console(&h, "c", "CNT ");
     h.ok(&["rm", "--force", "c"]);
     let group = pids_group(a);
-    // A process left in a's group (as a lost writer would be) ends with
-    // `rm`, and the group goes.
+    assert_eq!(group, pids_group(b), "a and its child share their tree's group");
+    assert_ne!(group, other_group, "another tree has its own");
+    // A process left in the tree's group (as a lost writer would be) ends
+    // with the `rm` of the tree's last vm, and the group goes; the `rm`
+    // of another lowers the group's limits to what is left.
     let mut stray = std::process::Command::new("sleep")
         .arg("600")
         .spawn()
@@ -650,6 +653,11 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
     std::fs::write(group.join("cgroup.procs"), stray.id().to_string()).expect("join the group");
     let out = h.ok(&["rm", "--force", "a"]);
     assert!(out.contains("removed"), "{out}");
+    assert!(stray.try_wait().expect("wait").is_none(), "b's tree still runs");
+    let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
+    assert_eq!(max.trim(), "1024", "one vm's worth is left");
+    wait_console(&h, "b", "CNT ");
+    h.ok(&["rm", "--force", "b"]);
     let t0 = Instant::now();
     let st = loop {
         if let Some(st) = stray.try_wait().expect("wait") {
@@ -657,13 +665,10 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
         }
         assert!(
             t0.elapsed() < Duration::from_secs(10),
-            "rm left a process of the vm's group running"
+            "rm left a process of the tree's group running"
         );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(!st.success(), "{st:?}");
     assert!(!group.exists(), "{} is left", group.display());
-    // The child runs on in its own group.
-    assert!(pids_group(b).ends_with("b"));
-    h.ok(&["rm", "--force", "b"]);
 }

@@ -1,9 +1,21 @@
-//! One cgroup per vm, with limits from its size (docs/design/isolation.md,
-//! "The jail"). The host makes the group and writes its limits; the VMM
-//! joins it itself before it reads a guest byte (`vmm::jail`); a fork
-//! child is moved into its own by the host as soon as the fork answers
-//! (the jailed VMM sees no cgroup filesystem, so it cannot raise its
-//! limits). `rm` ends whatever is left in the group, then removes it.
+//! One cgroup per VMM process tree (a `run` or a wake and every vm forked
+//! from it), with limits from its vms' sizes (docs/design/isolation.md,
+//! "The jail"). The host makes the group and writes its limits; the
+//! tree's first VMM joins it itself before it reads a guest byte
+//! (`vmm::jail`); fork children are born in it (fork(2) keeps the
+//! group), so nothing is moved on the fork path and everything a child
+//! allocates as it starts is charged to its tree. Moving each child into
+//! a group of its own cost a fork an RCU grace period (6-12 ms on this
+//! machine's v1 hierarchies) and left what a child allocated before the
+//! move (its KVM VM, page tables: about 4 MiB a child) charged to its
+//! parent's group, which 300 children of one vm filled (bench/fork
+//! --thousand). The tree is the unit the jail already isolates by (its
+//! uid, root and PID namespace); its limits are the sum of its vms'
+//! (they share one size), raised before a fork and lowered after an
+//! `rm`. The jailed VMM sees no cgroup filesystem, so it cannot change
+//! them. When a tree's last vm goes, whatever is left in its group ends
+//! and the group is removed. A vm from before trees keeps a group of its
+//! own, and its fork children are moved into theirs after the fork.
 //!
 //! cgroup v2 when its hierarchy has the memory, pids and cpu controllers
 //! (the nested test host); otherwise the v1 hierarchies of those
@@ -43,6 +55,16 @@ pub const PIDS_PER_VM: u64 = 1024;
 const OVERHEAD_MIB: u64 = 256;
 
 impl Limits {
+    /// The limits of `n` vms of these limits each (a tree's).
+    pub fn times(self, n: usize) -> Self {
+        let n = n.max(1) as u64;
+        Self {
+            memory: self.memory.saturating_mul(n),
+            pids: self.pids.saturating_mul(n),
+            cpu_quota_us: self.cpu_quota_us.saturating_mul(n),
+        }
+    }
+
     /// From the vm's size. Memory: twice the guest's plus the VMM's
     /// overhead, because a page is charged to the group that first
     /// touched it: after a fork the children keep the parent's pages
@@ -131,15 +153,26 @@ fn detect(mountinfo: &str, read: impl Fn(&Path) -> Option<String>) -> Option<Hie
     })
 }
 
+/// The group vm `vm`'s processes run in: its tree's, or for a vm from
+/// before trees its own (named after the vm). A tree's group name starts
+/// with `_`, which no vm name does.
+pub fn group_of(vm: &crate::state::VmDir) -> String {
+    match vm.tree().and_then(|t| t.file_name()) {
+        Some(t) => format!("_tree-{}", t.to_string_lossy()),
+        None => vm.name.clone(),
+    }
+}
+
 /// The per-home parent group's name.
 fn home_group(home: &Path) -> String {
     let h = blake3::hash(home.as_os_str().as_encoded_bytes());
     format!("tine-{}", &h.to_hex()[..12])
 }
 
-/// Makes (or reuses) vm `name`'s group with `limits` and returns the
-/// directories its VMM joins (`tine-vmm --cgroup`). Empty when this host
-/// has no usable cgroup hierarchy: the vm then runs without limits.
+/// Makes (or reuses) group `name` ([`group_of`]) with `limits` and
+/// returns the directories a VMM joins (`tine-vmm --cgroup`). Empty when
+/// this host has no usable cgroup hierarchy: the vm then runs without
+/// limits.
 pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<PathBuf>> {
     let Some(h) = hierarchy() else {
         return Ok(Vec::new());
@@ -159,7 +192,9 @@ pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<Pat
             // Guest memory never goes to swap (where it would outlive
             // the vm on a disk).
             let _ = write(&dir.join("memory.swap.max"), "0");
-            write(&dir.join("memory.oom.group"), "1")?;
+            // An OOM in a tree ends its largest process (a runaway VMM),
+            // not every vm of the tree.
+            write(&dir.join("memory.oom.group"), "0")?;
             write(&dir.join("pids.max"), &limits.pids.to_string())?;
             write(
                 &dir.join("cpu.max"),
@@ -204,53 +239,50 @@ pub fn enter(dirs: &[PathBuf], pid: u32) -> crate::Result<()> {
     Ok(())
 }
 
-/// Moves each process `(dirs, pid, start)` into its group from a thread
-/// of its own, after the caller has answered. Why not at once: the first
-/// migration after a quiet moment waits for an RCU grace period (6-12 ms
-/// measured on this host's v1 hierarchies: the kernel's threadgroup lock
-/// leaves its fast mode), which a fork's answer would otherwise wait for.
-/// A process that is gone, or whose pid now names another process, is
-/// skipped; one that tined's death leaves unmoved is moved by reconcile
-/// ([`adopt`]). Until then a child is in its parent's group, whose
-/// limits hold it.
-pub fn enter_soon(moves: Vec<(Vec<PathBuf>, u32, u64)>) {
-    if moves.iter().all(|(d, _, _)| d.is_empty()) {
+/// Lowers (or raises) group `name`'s limits, if it exists: best effort
+/// (a memory limit below what the group uses now is refused by v1 and
+/// stays where it was).
+pub fn set_limits(home: &Path, name: &str, limits: Limits) {
+    let Some(h) = hierarchy() else { return };
+    let dirs = dirs_of(home, name);
+    if dirs.iter().all(|d| !d.is_dir()) {
         return;
     }
-    let spawned = std::thread::Builder::new()
-        .name("cgroup-move".into())
-        .spawn(move || {
-            for (dirs, pid, start) in moves {
-                if !crate::proc::process_alive(pid, start) {
-                    continue;
-                }
-                if let Err(e) = enter(&dirs, pid) {
-                    tracing::warn!("cannot move process {pid} into its group: {e}");
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!("cannot start the thread that moves processes into their groups: {e}");
-    }
-}
-
-/// Moves `pid` into vm `name`'s group if it exists and does not hold
-/// `pid` yet (reconcile: a move that tined's death cut short).
-pub fn adopt(home: &Path, name: &str, pid: u32) -> crate::Result<()> {
-    let dirs: Vec<PathBuf> = dirs_of(home, name)
-        .into_iter()
-        .filter(|d| d.is_dir())
-        .collect();
-    for d in dirs {
-        let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
-        if !procs.lines().any(|l| l.trim() == pid.to_string()) {
-            enter(std::slice::from_ref(&d), pid)?;
+    let writes: Vec<(PathBuf, String)> = match h {
+        Hierarchy::V2(_) => vec![
+            (dirs[0].join("memory.max"), limits.memory.to_string()),
+            (dirs[0].join("pids.max"), limits.pids.to_string()),
+            (
+                dirs[0].join("cpu.max"),
+                format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+            ),
+        ],
+        Hierarchy::V1 { memory, pids, cpu } => {
+            let parent = home_group(home);
+            vec![
+                (
+                    memory.join(&parent).join(name).join("memory.limit_in_bytes"),
+                    limits.memory.to_string(),
+                ),
+                (
+                    pids.join(&parent).join(name).join("pids.max"),
+                    limits.pids.to_string(),
+                ),
+                (
+                    cpu.join(&parent).join(name).join("cpu.cfs_quota_us"),
+                    limits.cpu_quota_us.to_string(),
+                ),
+            ]
+        }
+    };
+    for (path, value) in writes {
+        if let Err(e) = write(&path, &value) {
+            tracing::debug!("{e}");
         }
     }
-    Ok(())
 }
 
-/// vm `name`'s group directories (whether or not they exist).
+/// Group `name`'s directories (whether or not they exist).
 fn dirs_of(home: &Path, name: &str) -> Vec<PathBuf> {
     let parent = home_group(home);
     let mut dirs: Vec<PathBuf> = match hierarchy() {
@@ -265,7 +297,7 @@ fn dirs_of(home: &Path, name: &str) -> Vec<PathBuf> {
     dirs
 }
 
-/// The processes in vm `name`'s group.
+/// The processes in group `name`.
 pub fn pids(home: &Path, name: &str) -> Vec<u32> {
     let mut out: Vec<u32> = Vec::new();
     for d in dirs_of(home, name) {
@@ -278,7 +310,7 @@ pub fn pids(home: &Path, name: &str) -> Vec<u32> {
     out
 }
 
-/// Ends every process left in vm `name`'s group and removes the group.
+/// Ends every process left in group `name` and removes the group.
 /// Returns how many processes it killed. Best effort: a group that cannot
 /// go yet (a process in uninterruptible sleep) is left for the next `rm`
 /// or reconcile.
@@ -327,8 +359,8 @@ pub fn remove(home: &Path, name: &str) -> usize {
     killed.len()
 }
 
-/// Removes the groups of this home whose vm is gone (`live` are the
-/// names of the vms that exist). For reconcile.
+/// Removes the groups of this home that no vm runs in any more (`live`
+/// are the groups of the vms that exist). For reconcile.
 pub fn sweep(home: &Path, live: &[String]) {
     let parent = home_group(home);
     let roots: Vec<PathBuf> = match hierarchy() {

@@ -10,7 +10,7 @@
 //! | `fork:prepared` | the fork's intent and children's directories exist; the VMM not asked |
 //! | `fork:answered` | the VMM started the children and the continuation; nothing of it recorded |
 //! | `fork:recorded` | children and continuation recorded; the old VMM not let go, nobody woken |
-//! | `fork:done` | the fork is finished and woken; its children not yet moved into their own cgroups |
+//! | `fork:done` | the fork is finished and every copy woken; its answer not sent |
 //! | `checkpoint:answered` | the template runs; its record not written |
 //! | `rollback:killed` | the vm's VMM was killed; the template not asked |
 //! | `snapshot:answered` | the snapshot directory is written; the vm's new process not recorded |

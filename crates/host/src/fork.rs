@@ -321,20 +321,25 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
             }
         }
     }
-    // Each child's own cgroup, made now (a failure pauses nothing); the
-    // child is moved into it once the fork has answered. (The jailed
-    // VMM sees no cgroup filesystem, so it cannot change its limits.)
-    let groups: crate::Result<Vec<Vec<PathBuf>>> = dirs
-        .iter()
-        .zip(&recs)
-        .map(|(d, c)| {
-            crate::cgroup::prepare(
-                &h.home,
-                &d.name,
-                crate::cgroup::Limits::of(c.mem_mib, c.vcpus),
-            )
-        })
-        .collect();
+    // The tree's group grows by the children's limits before they exist
+    // (a failure pauses nothing); they are born in it. A vm from before
+    // trees has children with groups of their own, made here and joined
+    // once the fork has answered. (The jailed VMM sees no cgroup
+    // filesystem, so it cannot change its limits.)
+    let size = crate::cgroup::Limits::of(r.mem_mib, r.vcpus);
+    let groups: crate::Result<Vec<Vec<PathBuf>>> = match vm.tree() {
+        Some(tree) => {
+            let members = crate::state::vms_in_tree(tree)
+                .len()
+                .max(1 + dirs.len());
+            crate::cgroup::prepare(&h.home, &crate::cgroup::group_of(&vm), size.times(members))
+                .map(|_| Vec::new())
+        }
+        None => dirs
+            .iter()
+            .map(|d| crate::cgroup::prepare(&h.home, &d.name, size))
+            .collect(),
+    };
     let groups = match groups {
         Ok(g) => g,
         Err(e) => {
@@ -411,6 +416,12 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
         d.write_record(rec)?;
         reply.children.push(p.pid);
     }
+    // Children of a vm from before trees join their own groups.
+    for (group, &pid) in groups.iter().zip(&reply.children) {
+        if let Err(e) = crate::cgroup::enter(group, pid) {
+            problems.push(e.to_string());
+        }
+    }
     if reply.continuation_pid.is_some() {
         reply.continuation_pid = Some(moved(&vm, &mut r)?);
     }
@@ -465,14 +476,6 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     }
     intent.done();
     crate::fault::point("fork:done");
-    // Each child into its own group, off the answer's path (see enter_soon).
-    crate::cgroup::enter_soon(
-        groups
-            .into_iter()
-            .zip(&recs)
-            .map(|(g, rec)| (g, rec.pid, rec.pid_start))
-            .collect(),
-    );
     let wake_ms = woken.iter().map(|w| w.wake_ms).fold(0.0f64, f64::max);
     Ok(ForkReport {
         name: name.into(),

@@ -59,17 +59,12 @@ pub fn reconcile(h: &Host) -> crate::Result<ReconcileReport> {
         let _ = std::fs::remove_file(path);
     }
     report.strays_ended += sweep(h);
-    // Groups of vms that are gone (an `rm` killed halfway).
-    let live: Vec<String> = state::list(&h.home)?.into_iter().map(|v| v.name).collect();
+    // Groups no vm runs in any more (an `rm` killed halfway).
+    let live: Vec<String> = state::list(&h.home)?
+        .iter()
+        .map(crate::cgroup::group_of)
+        .collect();
     crate::cgroup::sweep(&h.home, &live);
-    // A fork child whose move into its group tined's death cut short.
-    for v in vm::list(h)?.iter().filter(|v| v.state == VmState::Running) {
-        if let Some(pid) = v.pid {
-            if let Err(e) = crate::cgroup::adopt(&h.home, &v.name, pid) {
-                tracing::warn!("{}: {e}", v.name);
-            }
-        }
-    }
     let (_, problems) = crate::layers::after_removal(h);
     for p in problems {
         tracing::warn!("{p}");

@@ -153,6 +153,22 @@ pub fn trees(home: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The names of the vm directories in tree directory `tree` (whether or
+/// not their records are written yet: a fork makes its children's
+/// directories first).
+pub fn vms_in_tree(tree: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(tree)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| validate_name(n).is_ok())
+        .collect();
+    out.sort();
+    out
+}
+
 /// Tree ids are 8 lowercase hex digits: short, because a vm's socket
 /// paths (at most 107 bytes) run through them.
 fn is_tree_id(s: &str) -> bool {

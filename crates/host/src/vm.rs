@@ -628,9 +628,10 @@ fn stop_failed(h: &Host, vm: &VmDir, r: &VmRecord, why: &str) {
 
 /// Removes what a failed start left: its process, lease, tap, directory.
 pub(crate) fn undo_start(h: &Host, vm: &VmDir) {
-    if let Ok(r) = vm.read_record() {
-        let _ = kill_quietly(&r);
-        gateway::unregister(h, &r);
+    let record = vm.read_record().ok();
+    if let Some(r) = &record {
+        let _ = kill_quietly(r);
+        gateway::unregister(h, r);
     }
     if let Ok(text) = std::fs::read(vm.dir.join("lease.json")) {
         if let Ok(l) = serde_json::from_slice::<net::Lease>(&text) {
@@ -638,32 +639,34 @@ pub(crate) fn undo_start(h: &Host, vm: &VmDir) {
             net::release(&h.home, &l);
         }
     }
-    release_group(h, &vm.name);
+    release_group(
+        h,
+        vm,
+        record.map(|r| cgroup::Limits::of(r.mem_mib, r.vcpus)),
+    );
     let _ = vm.remove_dir();
 }
 
-/// Ends vm `name`'s group and what is left in it ([`cgroup::remove`]),
-/// but first moves out the vms forked from it that are still in it: a
-/// fork child joins its own group just after the fork has answered
-/// (`cgroup::enter_soon`), so an `rm` of the parent right then finds it
-/// in the parent's group. Returns how many processes were ended.
-fn release_group(h: &Host, name: &str) -> usize {
-    let in_group = cgroup::pids(&h.home, name);
-    if !in_group.is_empty() {
-        for other in state::list(&h.home).unwrap_or_default() {
-            if other.name == name {
-                continue;
+/// Lets go of vm `vm`'s share of its group (`size`: one vm's limits,
+/// from its record). With other vms left in its tree, the tree's limits
+/// shrink by one vm's; otherwise (the tree's last vm, or a vm from before
+/// trees) whatever is left in the group ends and the group goes. Returns
+/// how many processes were ended.
+fn release_group(h: &Host, vm: &VmDir, size: Option<cgroup::Limits>) -> usize {
+    let group = cgroup::group_of(vm);
+    if let Some(tree) = vm.tree() {
+        let others = state::vms_in_tree(tree)
+            .into_iter()
+            .filter(|n| *n != vm.name)
+            .count();
+        if others > 0 {
+            if let Some(l) = size {
+                cgroup::set_limits(&h.home, &group, l.times(others));
             }
-            if let Ok(r) = other.read_record() {
-                if in_group.contains(&r.pid) {
-                    if let Err(e) = cgroup::adopt(&h.home, &other.name, r.pid) {
-                        tracing::warn!("{}: {e}", other.name);
-                    }
-                }
-            }
+            return 0;
         }
     }
-    cgroup::remove(&h.home, name)
+    cgroup::remove(&h.home, &group)
 }
 
 /// The `tine-vmm --from DIR` command line for a restore, with a top
@@ -780,7 +783,8 @@ fn boot_command(
 fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<Command> {
     let mut cmd = Command::new(&h.bins.vmm);
     cmd.arg("--name").arg(&vm.name);
-    for dir in cgroup::prepare(&h.home, &vm.name, limits)? {
+    // A run or a wake starts a tree: its group holds this one vm.
+    for dir in cgroup::prepare(&h.home, &cgroup::group_of(vm), limits)? {
         cmd.arg("--cgroup").arg(dir);
     }
     cmd.arg("--uid")
@@ -1260,7 +1264,7 @@ pub(crate) fn remove_locked(h: &Host, vm: &VmDir, r: &VmRecord) -> crate::Result
     processes += crate::checkpoints::drop_checkpoints(vm);
     // Whatever the vm's processes left behind (a writer, a template the
     // records lost) ends with its group.
-    processes += release_group(h, &vm.name);
+    processes += release_group(h, vm, Some(cgroup::Limits::of(r.mem_mib, r.vcpus)));
     gateway::unregister(h, r);
     if let Some(l) = &r.lease {
         net::forget(&tap_name(&vm.name));
