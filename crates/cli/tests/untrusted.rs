@@ -641,7 +641,11 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
     wait_console(&h, "c", "CNT ");
     h.ok(&["rm", "--force", "c"]);
     let group = pids_group(a);
-    assert_eq!(group, pids_group(b), "a and its child share their tree's group");
+    assert_eq!(
+        group,
+        pids_group(b),
+        "a and its child share their tree's group"
+    );
     assert_ne!(group, other_group, "another tree has its own");
     // A process left in the tree's group (as a lost writer would be) ends
     // with the `rm` of the tree's last vm, and the group goes; the `rm`
@@ -653,7 +657,10 @@ fn test_every_vmm_runs_jailed_in_its_own_cgroup_and_rm_ends_what_it_holds() {
     std::fs::write(group.join("cgroup.procs"), stray.id().to_string()).expect("join the group");
     let out = h.ok(&["rm", "--force", "a"]);
     assert!(out.contains("removed"), "{out}");
-    assert!(stray.try_wait().expect("wait").is_none(), "b's tree still runs");
+    assert!(
+        stray.try_wait().expect("wait").is_none(),
+        "b's tree still runs"
+    );
     let max = std::fs::read_to_string(group.join("pids.max")).expect("pids.max");
     assert_eq!(max.trim(), "1024", "one vm's worth is left");
     wait_console(&h, "b", "CNT ");

@@ -261,7 +261,10 @@ pub fn set_limits(home: &Path, name: &str, limits: Limits) {
             let parent = home_group(home);
             vec![
                 (
-                    memory.join(&parent).join(name).join("memory.limit_in_bytes"),
+                    memory
+                        .join(&parent)
+                        .join(name)
+                        .join("memory.limit_in_bytes"),
                     limits.memory.to_string(),
                 ),
                 (

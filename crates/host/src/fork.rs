@@ -329,9 +329,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let size = crate::cgroup::Limits::of(r.mem_mib, r.vcpus);
     let groups: crate::Result<Vec<Vec<PathBuf>>> = match vm.tree() {
         Some(tree) => {
-            let members = crate::state::vms_in_tree(tree)
-                .len()
-                .max(1 + dirs.len());
+            let members = crate::state::vms_in_tree(tree).len().max(1 + dirs.len());
             crate::cgroup::prepare(&h.home, &crate::cgroup::group_of(&vm), size.times(members))
                 .map(|_| Vec::new())
         }
