@@ -233,6 +233,10 @@ pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<Pat
 /// Moves process `pid` (all its threads) into the group at `dirs` (from
 /// [`prepare`]).
 pub fn enter(dirs: &[PathBuf], pid: u32) -> crate::Result<()> {
+    // "0" would move the writer itself.
+    if pid == 0 {
+        return Ok(());
+    }
     for d in dirs {
         write(&d.join("cgroup.procs"), &pid.to_string())?;
     }

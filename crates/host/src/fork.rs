@@ -86,11 +86,22 @@ fn call_with_fds(
 /// listens on its control socket now: the pid the VMM reports is one of
 /// its tree's PID namespace); returns that process's pid.
 fn moved(vm: &VmDir, r: &mut VmRecord) -> crate::Result<u32> {
-    let p = crate::proc::Pid::listening_on(&vm.api_socket())?;
+    let p = listener(&vm.api_socket());
     r.pid = p.pid;
     r.pid_start = p.start;
     vm.write_record(r)?;
     Ok(p.pid)
+}
+
+/// The process listening on a control socket the VMM just reported
+/// ready; none (pid 0: `ls` then shows the vm ended) when nothing
+/// listens there any more (it died right after: the operation itself
+/// is done, and its record must say what is).
+fn listener(socket: &Path) -> crate::proc::Pid {
+    crate::proc::Pid::listening_on(socket).unwrap_or_else(|e| {
+        tracing::warn!("{e}");
+        crate::proc::Pid { pid: 0, start: 0 }
+    })
 }
 
 /// What to fork into (`tine fork`, `POST /v1/vms/{name}/fork`).
@@ -408,7 +419,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let started = reply.children.len().min(dirs.len());
     reply.children.clear();
     for (d, rec) in dirs.iter().zip(recs.iter_mut()).take(started) {
-        let p = crate::proc::Pid::listening_on(&d.api_socket())?;
+        let p = listener(&d.api_socket());
         rec.pid = p.pid;
         rec.pid_start = p.start;
         d.write_record(rec)?;
@@ -652,7 +663,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
     }
     if reply.template_pid.is_some() {
         // The template listens on the checkpoint's socket.
-        let t = crate::proc::Pid::listening_on(&crate::checkpoints::checkpoint_paths(&vm, &tag).1)?;
+        let t = listener(&crate::checkpoints::checkpoint_paths(&vm, &tag).1);
         reply.template_pid = Some(t.pid);
         let rec = CheckpointRecord {
             tag: tag.clone(),

@@ -64,7 +64,9 @@ pub fn process_start(pid: u32) -> Option<u64> {
 /// Whether `pid` is alive and is the same process that started at `start`
 /// (a zombie counts as gone).
 pub fn process_alive(pid: u32, start: u64) -> bool {
-    ProcStat::read(pid).is_some_and(|s| !s.is_exited() && s.start == start)
+    // Pid 0 is no process (a record whose process is unknown); kill(0)
+    // would signal our own process group.
+    pid != 0 && ProcStat::read(pid).is_some_and(|s| !s.is_exited() && s.start == start)
 }
 
 /// Resident memory of a process in KiB.
