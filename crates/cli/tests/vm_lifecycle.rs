@@ -115,6 +115,34 @@ fn test_two_vms_run_list_stop_and_remove_leave_nothing() {
     assert!(left.is_empty(), "state left behind: {left:?}");
 }
 
+/// Kills vm `name`'s VMM with SIGKILL (a crash) and waits until `ls`
+/// shows it crashed, with the wait status tined was told (a VMM killed so
+/// leaves no exit record of its own).
+fn crash_and_see_it_reported(home: &TempDir, name: &str) {
+    let pid = field(&ls(home), name, "pid").as_u64().expect("pid");
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success());
+    let want = "ended without an exit record: signal: 9 (SIGKILL)";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let rows = ls(home);
+        let said = field(&rows, name, "exit")
+            .as_str()
+            .is_some_and(|e| e.contains(want));
+        if said && field(&rows, name, "state") == "crashed" {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ls never said how {name}'s VMM ended: {rows:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn test_crashed_vmm_is_reported_and_cleaned() {
     if !kvm_available() {
@@ -122,31 +150,7 @@ fn test_crashed_vmm_is_reported_and_cleaned() {
     }
     let home = TempDir::new("crash");
     ok(&home, &run_args("c", "micro-counter"));
-    let pid = field(&ls(&home), "c", "pid").as_u64().expect("pid");
-    // kill(1) stands in for a crash of the VMM.
-    assert!(std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("kill")
-        .success());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while field(&ls(&home), "c", "state") != "crashed" {
-        assert!(Instant::now() < deadline, "ls never reported the crash");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    // tined reaped it and says how it ended (it could leave no record).
-    let want = "ended without an exit record: signal: 9 (SIGKILL)";
-    while !field(&ls(&home), "c", "exit")
-        .as_str()
-        .is_some_and(|e| e.contains(want))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "ls never said how the VMM ended: {:?}",
-            field(&ls(&home), "c", "exit")
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    crash_and_see_it_reported(&home, "c");
     let e = fails(&home, &["checkpoint", "c"]);
     assert!(e.contains("is crashed") && e.contains("SIGKILL"), "{e}");
     // A crashed vm's name stays taken until rm.
@@ -161,25 +165,7 @@ fn test_crashed_vmm_is_reported_and_cleaned() {
     ok(&home, &["fork", "p", "--names", "q"]);
     ok(&home, &["stop", "p"]);
     ok(&home, &["rm", "p"]);
-    let pid = field(&ls(&home), "q", "pid").as_u64().expect("pid");
-    assert!(std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("kill")
-        .success());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !field(&ls(&home), "q", "exit")
-        .as_str()
-        .is_some_and(|e| e.contains(want))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "ls never said how the orphan's VMM ended: {:?}",
-            ls(&home)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(field(&ls(&home), "q", "state"), "crashed");
+    crash_and_see_it_reported(&home, "q");
     ok(&home, &["rm", "q"]);
     assert!(ls(&home).is_empty());
 }
