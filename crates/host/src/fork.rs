@@ -24,6 +24,7 @@ pub use crate::checkpoints::{list_checkpoints, CheckpointRecord};
 use crate::error::Context;
 use crate::gateway::{self, Moment};
 use crate::intent::{Intent, Op, Phase};
+use crate::proc::Pid;
 use crate::state::{self, VmDir, VmRecord, VmState};
 use crate::vm::{kill_quietly, running, tap_name};
 use crate::{lock, net, wake, Error, Host};
@@ -86,22 +87,11 @@ fn call_with_fds(
 /// listens on its control socket now: the pid the VMM reports is one of
 /// its tree's PID namespace); returns that process's pid.
 fn moved(vm: &VmDir, r: &mut VmRecord) -> crate::Result<u32> {
-    let p = listener(&vm.api_socket());
+    let p = Pid::listening_on_or_gone(&vm.api_socket());
     r.pid = p.pid;
     r.pid_start = p.start;
     vm.write_record(r)?;
     Ok(p.pid)
-}
-
-/// The process listening on a control socket the VMM just reported
-/// ready; none (pid 0: `ls` then shows the vm ended) when nothing
-/// listens there any more (it died right after: the operation itself
-/// is done, and its record must say what is).
-fn listener(socket: &Path) -> crate::proc::Pid {
-    crate::proc::Pid::listening_on(socket).unwrap_or_else(|e| {
-        tracing::warn!("{e}");
-        crate::proc::Pid { pid: 0, start: 0 }
-    })
 }
 
 /// What to fork into (`tine fork`, `POST /v1/vms/{name}/fork`).
@@ -419,7 +409,7 @@ pub fn fork(h: &Host, name: &str, spec: &ForkSpec) -> crate::Result<ForkReport> 
     let started = reply.children.len().min(dirs.len());
     reply.children.clear();
     for (d, rec) in dirs.iter().zip(recs.iter_mut()).take(started) {
-        let p = listener(&d.api_socket());
+        let p = Pid::listening_on_or_gone(&d.api_socket());
         rec.pid = p.pid;
         rec.pid_start = p.start;
         d.write_record(rec)?;
@@ -663,7 +653,7 @@ pub fn checkpoint(h: &Host, name: &str, tag: Option<String>) -> crate::Result<Mo
     }
     if reply.template_pid.is_some() {
         // The template listens on the checkpoint's socket.
-        let t = listener(&crate::checkpoints::checkpoint_paths(&vm, &tag).1);
+        let t = Pid::listening_on_or_gone(&checkpoint_paths(&vm, &tag).1);
         reply.template_pid = Some(t.pid);
         let rec = CheckpointRecord {
             tag: tag.clone(),

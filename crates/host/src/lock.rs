@@ -126,18 +126,14 @@ const RESERVE_GRACE: Duration = Duration::from_millis(100);
 pub fn reserve(home: &Path, names: &[String]) -> crate::Result<Vec<Lock>> {
     let mut held = Vec::with_capacity(names.len());
     for n in names {
-        let deadline = Instant::now() + RESERVE_GRACE;
-        loop {
-            if let Some(l) = try_acquire(home, n)? {
-                held.push(l);
-                break;
-            }
-            if Instant::now() >= deadline {
+        match acquire(home, n, RESERVE_GRACE) {
+            Ok(l) => held.push(l),
+            Err(e) if matches!(e.code(), crate::error::Code::Busy) => {
                 return Err(crate::Error::conflict(format!(
                     "the name {n:?} is being used by another operation right now; choose another"
-                )));
+                )))
             }
-            std::thread::sleep(Duration::from_millis(2));
+            Err(e) => return Err(e),
         }
     }
     Ok(held)

@@ -395,6 +395,17 @@ impl Pid {
         })
     }
 
+    /// [`Pid::listening_on`] for a socket its VMM just reported ready:
+    /// no process (pid 0, which is never alive: `ls` then shows the vm
+    /// ended) when nothing listens there any more. It died right after;
+    /// the operation itself is done, and its record must say what is.
+    pub fn listening_on_or_gone(path: &std::path::Path) -> Pid {
+        Pid::listening_on(path).unwrap_or_else(|e| {
+            tracing::warn!("{e}");
+            Pid { pid: 0, start: 0 }
+        })
+    }
+
     /// `pid` as it is now, if it exists.
     pub fn of(pid: u32) -> Option<Pid> {
         process_start(pid).map(|start| Pid { pid, start })

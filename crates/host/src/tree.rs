@@ -233,10 +233,7 @@ fn to_store(h: &Host, name: &str, bar: &dyn Progress, round: Round) -> crate::Re
             if reply.continuation_pid.is_some() {
                 // The process now listening on its control socket (the
                 // reply's pid is one of the tree's PID namespace).
-                let p = crate::proc::Pid::listening_on(&vm.api_socket()).unwrap_or_else(|e| {
-                    tracing::warn!("{e}");
-                    crate::proc::Pid { pid: 0, start: 0 }
-                });
+                let p = crate::proc::Pid::listening_on_or_gone(&vm.api_socket());
                 r.pid = p.pid;
                 r.pid_start = p.start;
                 vm.write_record(&r)?;
