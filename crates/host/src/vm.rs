@@ -807,98 +807,55 @@ fn base_command(h: &Host, vm: &VmDir, limits: cgroup::Limits) -> crate::Result<C
 const PID_REPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Asks `tine-vmm` for a PID namespace of its own (`--pid-report FD`);
-/// returns the read end where its tree's init writes the VMM's host pid.
-/// The write end is the command's until it is dropped.
-fn pid_report(cmd: &mut Command) -> crate::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: pipe2(2) writes two fds into the array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(Error::from(std::io::Error::last_os_error()).context("cannot make a pipe"));
-    }
-    // SAFETY: two fresh fds nobody else owns.
-    let (r, w) = unsafe {
-        (
-            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
-            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-        )
-    };
-    cmd.arg("--pid-report").arg(w.as_raw_fd().to_string());
-    // SAFETY: fcntl(2) is async-signal-safe; the closure owns `w`, open
-    // until the command is dropped.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::fcntl(w.as_raw_fd(), libc::F_SETFD, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    Ok(r)
+/// returns our end of a socket pair where its tree's init writes the
+/// VMM's host pid. The other end is the command's until it is dropped.
+fn pid_report(cmd: &mut Command) -> crate::Result<std::os::unix::net::UnixStream> {
+    let (ours, theirs) =
+        std::os::unix::net::UnixStream::pair().context("cannot make a socket pair")?;
+    let fd = inherit(cmd, theirs.into());
+    cmd.arg("--pid-report").arg(fd.to_string());
+    Ok(ours)
 }
 
 /// The host pid a tree's init reported on `r`: None when the VMM runs
-/// without a namespace (the pipe closed empty), an error when nothing
-/// came within `timeout` or the init could not tell.
-fn read_pid_report(r: std::os::fd::OwnedFd, timeout: Duration) -> crate::Result<Option<u32>> {
-    use std::io::Read;
-    let deadline = Instant::now() + timeout;
-    let mut f = std::fs::File::from(r);
-    let mut text = Vec::new();
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd {
-            fd: f.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll(2) on one pollfd that lives across the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis().min(60_000) as i32) };
-        if n == 0 {
-            bail!(
-                "the VMM did not report its pid within {} s",
-                timeout.as_secs()
-            );
-        }
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
+/// without a namespace (its end closed with nothing said), an error when
+/// nothing came within `timeout` or the init could not tell.
+fn read_pid_report(
+    r: std::os::unix::net::UnixStream,
+    timeout: Duration,
+) -> crate::Result<Option<u32>> {
+    use std::io::{BufRead, Read};
+    r.set_read_timeout(Some(timeout))
+        .context("cannot set a read timeout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(r.take(64))
+        .read_line(&mut line)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Error::failed(format!(
+                    "the VMM did not report its pid within {} s",
+                    timeout.as_secs()
+                ))
             }
-            return Err(Error::from(e).context("cannot wait for the VMM's pid"));
-        }
-        let mut buf = [0u8; 32];
-        let got = f.read(&mut buf).context("cannot read the VMM's pid")?;
-        if got == 0 || text.len() > 64 {
-            break;
-        }
-        text.extend_from_slice(&buf[..got]);
-        if text.contains(&b'\n') {
-            break;
-        }
-    }
-    let text = String::from_utf8_lossy(&text);
-    if text.trim().is_empty() {
+            _ => Error::from(e).context("cannot read the VMM's pid"),
+        })?;
+    if line.trim().is_empty() {
         return Ok(None);
     }
-    match text.trim().parse::<u32>() {
+    match line.trim().parse::<u32>() {
         Ok(p) if p > 0 => Ok(Some(p)),
         _ => bail!(
             "the tree's init could not tell the VMM's pid ({:?})",
-            text.trim()
+            line.trim()
         ),
     }
 }
 
-/// Opens (creates) the tap `name` here, in the host's network namespace,
-/// and hands it to the VMM as an inherited fd (`--net NAME,fd=N`): the
-/// VMM then needs neither CAP_NET_ADMIN nor the host's network, and gets
-/// an empty network namespace of its own. The command holds the host's
-/// copy (close-on-exec in tined) until it is dropped.
-fn pass_tap(cmd: &mut Command, name: &str) -> crate::Result<()> {
-    let fd = open_tap(name)?;
-    cmd.arg("--net")
-        .arg(format!("{name},fd={}", fd.as_raw_fd()));
+/// Hands `fd` to the command's process as an inherited fd (its number is
+/// returned for the command line); the command holds our copy until it
+/// is dropped.
+fn inherit(cmd: &mut Command, fd: std::os::fd::OwnedFd) -> i32 {
+    let raw = fd.as_raw_fd();
     // SAFETY: fcntl(2) is async-signal-safe; the closure owns `fd`, which
     // is open until the command is dropped.
     unsafe {
@@ -909,6 +866,17 @@ fn pass_tap(cmd: &mut Command, name: &str) -> crate::Result<()> {
             Ok(())
         });
     }
+    raw
+}
+
+/// Opens (creates) the tap `name` here, in the host's network namespace,
+/// and hands it to the VMM as an inherited fd (`--net NAME,fd=N`): the
+/// VMM then needs neither CAP_NET_ADMIN nor the host's network, and gets
+/// an empty network namespace of its own. The command holds the host's
+/// copy (close-on-exec in tined) until it is dropped.
+fn pass_tap(cmd: &mut Command, name: &str) -> crate::Result<()> {
+    let fd = inherit(cmd, open_tap(name)?);
+    cmd.arg("--net").arg(format!("{name},fd={fd}"));
     Ok(())
 }
 

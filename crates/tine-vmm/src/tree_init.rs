@@ -21,7 +21,8 @@
 //!                 └─ the VMM (pid 2 inside) ─ jail, run ...
 //! ```
 //!
-//! The init writes the VMM's host pid to FD (tined records that pid), and
+//! The init writes the VMM's host pid to FD (a socket; tined records that
+//! pid), and
 //! closes every other fd it inherited (a tap must live exactly as long as
 //! its VMM holds it). Host pids come from the host's procfs, which the
 //! init still sees: a pidfd's fdinfo shows its process's pid in the pid
@@ -33,7 +34,7 @@
 use std::io::Write;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Enters a new PID namespace as its VMM: returns in the VMM (pid 2
 /// inside) only; the process that called it and the tree init never
@@ -96,7 +97,7 @@ fn init(report: OwnedFd, home: &Path, tree: &str) -> anyhow::Result<()> {
 
 /// Reaps every process of the namespace, reporting each, until none is
 /// left; then exits.
-fn reap_forever(socket: &PathBuf) -> ! {
+fn reap_forever(socket: &Path) -> ! {
     let out = UnixDatagram::unbound().ok();
     loop {
         // SAFETY: siginfo_t is plain data; waitid(2) fills it.
