@@ -178,7 +178,7 @@ pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<Pat
         return Ok(Vec::new());
     };
     let parent = home_group(home);
-    match h {
+    let dirs = match h {
         Hierarchy::V2(root) => {
             let base = root.join(&parent);
             let dir = base.join(name);
@@ -188,19 +188,13 @@ pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<Pat
                 write(&d.join("cgroup.subtree_control"), "+memory +pids +cpu")?;
             }
             mkdir_group(&dir)?;
-            write(&dir.join("memory.max"), &limits.memory.to_string())?;
             // Guest memory never goes to swap (where it would outlive
             // the vm on a disk).
             let _ = write(&dir.join("memory.swap.max"), "0");
             // An OOM in a tree ends its largest process (a runaway VMM),
             // not every vm of the tree.
             write(&dir.join("memory.oom.group"), "0")?;
-            write(&dir.join("pids.max"), &limits.pids.to_string())?;
-            write(
-                &dir.join("cpu.max"),
-                &format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
-            )?;
-            Ok(vec![dir])
+            vec![dir]
         }
         Hierarchy::V1 { memory, pids, cpu } => {
             let mut dirs = Vec::new();
@@ -210,24 +204,52 @@ pub fn prepare(home: &Path, name: &str, limits: Limits) -> crate::Result<Vec<Pat
                 dirs.push(dir);
             }
             write(
-                &dirs[0].join("memory.limit_in_bytes"),
-                &limits.memory.to_string(),
-            )?;
-            write(&dirs[1].join("pids.max"), &limits.pids.to_string())?;
-            write(
                 &dirs[2].join("cpu.cfs_period_us"),
                 &CPU_PERIOD_US.to_string(),
-            )?;
-            write(
-                &dirs[2].join("cpu.cfs_quota_us"),
-                &limits.cpu_quota_us.to_string(),
             )?;
             // One hierarchy may hold several controllers (cpu,cpuacct):
             // the same directory then appears once.
             dirs.dedup();
-            Ok(dirs)
+            dirs
         }
+    };
+    for (file, value) in limit_files(h, home, name, limits) {
+        write(&file, &value)?;
     }
+    Ok(dirs)
+}
+
+/// The files of group `name`'s memory, pids and CPU limits, and what
+/// `limits` writes into each.
+fn limit_files(h: &Hierarchy, home: &Path, name: &str, limits: Limits) -> [(PathBuf, String); 3] {
+    let parent = home_group(home);
+    let (memory, pids, cpu) = match h {
+        Hierarchy::V2(root) => {
+            let dir = root.join(&parent).join(name);
+            (
+                dir.join("memory.max"),
+                dir.join("pids.max"),
+                dir.join("cpu.max"),
+            )
+        }
+        Hierarchy::V1 { memory, pids, cpu } => (
+            memory
+                .join(&parent)
+                .join(name)
+                .join("memory.limit_in_bytes"),
+            pids.join(&parent).join(name).join("pids.max"),
+            cpu.join(&parent).join(name).join("cpu.cfs_quota_us"),
+        ),
+    };
+    let quota = match h {
+        Hierarchy::V2(_) => format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+        Hierarchy::V1 { .. } => limits.cpu_quota_us.to_string(),
+    };
+    [
+        (memory, limits.memory.to_string()),
+        (pids, limits.pids.to_string()),
+        (cpu, quota),
+    ]
 }
 
 /// Moves process `pid` (all its threads) into the group at `dirs` (from
@@ -248,42 +270,11 @@ pub fn enter(dirs: &[PathBuf], pid: u32) -> crate::Result<()> {
 /// stays where it was).
 pub fn set_limits(home: &Path, name: &str, limits: Limits) {
     let Some(h) = hierarchy() else { return };
-    let dirs = dirs_of(home, name);
-    if dirs.iter().all(|d| !d.is_dir()) {
+    if dirs_of(home, name).iter().all(|d| !d.is_dir()) {
         return;
     }
-    let writes: Vec<(PathBuf, String)> = match h {
-        Hierarchy::V2(_) => vec![
-            (dirs[0].join("memory.max"), limits.memory.to_string()),
-            (dirs[0].join("pids.max"), limits.pids.to_string()),
-            (
-                dirs[0].join("cpu.max"),
-                format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
-            ),
-        ],
-        Hierarchy::V1 { memory, pids, cpu } => {
-            let parent = home_group(home);
-            vec![
-                (
-                    memory
-                        .join(&parent)
-                        .join(name)
-                        .join("memory.limit_in_bytes"),
-                    limits.memory.to_string(),
-                ),
-                (
-                    pids.join(&parent).join(name).join("pids.max"),
-                    limits.pids.to_string(),
-                ),
-                (
-                    cpu.join(&parent).join(name).join("cpu.cfs_quota_us"),
-                    limits.cpu_quota_us.to_string(),
-                ),
-            ]
-        }
-    };
-    for (path, value) in writes {
-        if let Err(e) = write(&path, &value) {
+    for (file, value) in limit_files(h, home, name, limits) {
+        if let Err(e) = write(&file, &value) {
             tracing::debug!("{e}");
         }
     }
